@@ -1,0 +1,97 @@
+"""Lightning attention: linear attention with a constant per-head decay ("Simple GLA").
+
+Per head h with log-decay g_h = -slope_h and state S (d_k x d_v, fp32):
+
+    S_t = exp(g_h) * S_{t-1} + k_t v_t^T
+    o_t = (scale * q_t)^T S_t            # the current token is included; no normaliser
+
+Three forms compute this and must agree: `recurrent` (the reference, one token at a time),
+`chunked` (prefill: matmuls inside chunks, the recurrence only across chunks) and `step`
+(decode: one token). Each takes an initial state and returns the final one, so a prompt can be
+prefilled in pieces and decoding continues from wherever prefill stopped.
+
+Shapes: q, k, v are [B, H, T, D] (k/v already repeated to H heads), state is [B, H, Dk, Dv],
+g is [H]. Everything is fp32: the decay products span many orders of magnitude.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def decay_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi slope schedule, including its fallback for head counts that are not powers of two."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32, device="cpu")
+
+
+def log_decay(n_heads: int) -> torch.Tensor:
+    """Per-head log-decay g_h = -slope_h (not scaled by layer index: SALA has no layer-wise decay)."""
+    return -decay_slopes(n_heads)
+
+
+def _zero_state(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    b, h, _, dk = q.shape
+    return q.new_zeros(b, h, dk, v.shape[-1])
+
+
+def recurrent(q, k, v, g, scale: float, state: torch.Tensor | None = None):
+    """Naive recurrence, token by token. The reference the other forms are tested against."""
+    s = _zero_state(q, v) if state is None else state.clone()
+    decay = torch.exp(g).view(1, -1, 1, 1)
+    out = []
+    for t in range(q.shape[2]):
+        s = decay * s + k[:, :, t, :, None] * v[:, :, t, None, :]
+        out.append(torch.einsum("bhd,bhde->bhe", q[:, :, t] * scale, s))
+    return torch.stack(out, dim=2), s
+
+
+def step(q, k, v, g, scale: float, state: torch.Tensor):
+    """One decode token: q, k, v are [B, H, D]. Returns (o [B, H, Dv], new state)."""
+    s = torch.exp(g).view(1, -1, 1, 1) * state + k[..., :, None] * v[..., None, :]
+    return torch.einsum("bhd,bhde->bhe", q * scale, s), s
+
+
+def _intra_chunk_decay(g: torch.Tensor, c: int) -> torch.Tensor:
+    """D[h, i, j] = exp(g_h (i - j)) for j <= i, else 0: the causal decay inside one chunk."""
+    idx = torch.arange(c, device=g.device)
+    dist = (idx[:, None] - idx[None, :]).to(g.dtype)
+    # Mask the exponent before exp: above the diagonal (i - j) < 0 and exp would overflow.
+    expo = torch.where(dist >= 0, g.view(-1, 1, 1) * dist, torch.full_like(dist, float("-inf")))
+    return torch.exp(expo)
+
+
+def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_size: int = 64):
+    """Chunk-parallel form: within a chunk of C tokens starting from state S, with b_i = (i+1) g,
+
+    o_i = scale * [ exp(b_i) q_i^T S + sum_{j<=i} exp(b_i - b_j) (q_i . k_j) v_j ]
+    S'  = exp(b_{C-1}) S + sum_j exp(b_{C-1} - b_j) k_j v_j^T
+    """
+    s = _zero_state(q, v) if state is None else state
+    t_total = q.shape[2]
+    out = []
+    for start in range(0, t_total, chunk_size):
+        qc, kc, vc = (x[:, :, start : start + chunk_size] for x in (q, k, v))
+        c = qc.shape[2]
+        pos = torch.arange(1, c + 1, device=q.device, dtype=q.dtype)
+        b = g.view(-1, 1) * pos  # [H, C]: b_i = (i + 1) g
+        qs = qc * scale
+        attn = (qs @ kc.transpose(-1, -2)) * _intra_chunk_decay(g, c)
+        o = attn @ vc + (qs * torch.exp(b)[None, :, :, None]) @ s
+        out.append(o)
+        # Weight of token j in the state at the chunk's end: exp(b_{C-1} - b_j) = exp(g (C-1-j)).
+        w = torch.exp(g.view(-1, 1) * (c - pos))[None, :, :, None]
+        s = torch.exp(b[:, -1]).view(1, -1, 1, 1) * s + (kc * w).transpose(-1, -2) @ vc
+    if not out:
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), s
+    return torch.cat(out, dim=2), s

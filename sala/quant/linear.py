@@ -1,0 +1,107 @@
+"""The model's W4A16 Linear: NVFP4 weights stored as compressed-tensors names them."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear
+from sala.quant.nvfp4 import GROUP_SIZE, NVFP4Tensor
+
+QUANTIZED_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+class NVFP4Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W held as ``weight_packed`` uint8 [N, K/2], ``weight_scale``
+    float8_e4m3fn [N, K/16] and ``weight_global_scale`` float32 [1], so a checkpoint's
+    tensors load straight into it.
+
+    ``cache_dequantized`` keeps an fp32 copy of W after the first CPU call and reuses it: it
+    trades 8 bytes per weight for skipping the per-call dequantization. It never applies on
+    CUDA, where the kernel reads the packed weight directly.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        cache_dequantized: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if in_features % GROUP_SIZE:
+            raise ValueError(
+                f"in-features {in_features} is not a multiple of the NVFP4 group size {GROUP_SIZE}"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.cache_dequantized = cache_dequantized
+        self.register_buffer(
+            "weight_packed",
+            torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),
+        )
+        self.register_buffer(
+            "weight_scale",
+            torch.zeros(out_features, in_features // GROUP_SIZE, device=device).to(
+                torch.float8_e4m3fn
+            ),
+        )
+        self.register_buffer("weight_global_scale", torch.ones(1, device=device))
+        self.register_buffer(
+            "bias", torch.zeros(out_features, device=device) if bias else None
+        )
+        self._dense: torch.Tensor | None = None
+        # Loading new tensors must not leave a stale cached weight behind.
+        self.register_load_state_dict_post_hook(lambda module, _: module.drop_cache())
+
+    @classmethod
+    def from_quantized(
+        cls, q: NVFP4Tensor, bias: torch.Tensor | None = None, *, cache_dequantized: bool = False
+    ) -> NVFP4Linear:
+        out_features, in_features = q.codes.shape
+        layer = cls(
+            in_features,
+            out_features,
+            bias is not None,
+            cache_dequantized=cache_dequantized,
+            device=q.codes.device,
+        )
+        layer.weight_packed.copy_(q.packed())
+        layer.weight_scale.copy_(q.scale)
+        layer.weight_global_scale.copy_(q.global_scale)
+        if bias is not None:
+            layer.bias.copy_(bias)
+        return layer
+
+    def drop_cache(self) -> None:
+        self._dense = None
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) must not round the fp32 global scale or re-type the FP8
+        # scales: the quantized tensors follow the module's device, never its dtype.
+        kept = {name: self._buffers[name] for name in QUANTIZED_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            self._buffers[name] = tensor.to(self._buffers[name].device)
+        self.drop_cache()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache_dequantized and not x.is_cuda:
+            if self._dense is None:
+                self._dense = nvfp4_dequantize_reference(
+                    self.weight_packed, self.weight_scale, self.weight_global_scale
+                )
+            bias = self.bias.float() if self.bias is not None else None
+            # Same fp32 arithmetic as the reference path, so caching never changes outputs.
+            return nn.functional.linear(x.float(), self._dense, bias).to(x.dtype)
+        return nvfp4_linear(
+            x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, cache_dequantized={self.cache_dequantized}"
+        )

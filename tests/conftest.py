@@ -1,0 +1,34 @@
+"""Session-wide test setup.
+
+Triton kernels run on CPU through the interpreter; the variable must be set before anything
+imports triton, which is why it lives here and not in a fixture.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end pipeline tests (still run in CI)")
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_sala_dir():
+    """tiny-sala, reused from $SALA_HOME when its recipe hash matches, else built once here."""
+    from sala.tiny import ensure_tiny_sala
+
+    return ensure_tiny_sala(progress=False)

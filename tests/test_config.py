@@ -1,0 +1,83 @@
+"""SALAConfig: the real 9B config.json loads unchanged; inconsistent configs name the bad key."""
+import json
+
+import pytest
+import torch
+
+from sala.config import ConfigError, SALAConfig
+from sala.model import SALAForCausalLM
+
+# The released checkpoint's config.json (shared/design/specs/sala-architecture.md, section 1).
+REAL_CONFIG = {
+    "architectures": ["MiniCPMSALAForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_minicpm_sala.MiniCPMSALAConfig",
+        "AutoModel": "modeling_minicpm_sala.MiniCPMSALAModel",
+        "AutoModelForCausalLM": "modeling_minicpm_sala.MiniCPMSALAForCausalLM",
+    },
+    "model_type": "minicpm_sala",
+    "vocab_size": 73448, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 524288, "rope_theta": 10000.0, "rope_scaling": None,
+    "attention_bias": False, "attention_dropout": 0.0, "attn_use_rope": False, "attn_use_output_gate": True,
+    "lightning_use_rope": True, "qk_norm": True, "use_output_gate": True, "use_output_norm": True,
+    "lightning_nh": 32, "lightning_nkv": 32, "lightning_head_dim": 128, "lightning_scale": "1/sqrt(d)",
+    "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 256, "mup_denominator": 32,
+    "sparse_config": {"block_size": 64, "dense_len": 8192, "init_blocks": 1, "kernel_size": 32,
+                      "kernel_stride": 16, "topk": 64, "use_nope": False, "window_size": 2048},
+    "mixer_types": ["minicpm4" if i in (0, 9, 16, 17, 22, 29, 30, 31) else "lightning-attn" for i in range(32)],
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": [2, 73440], "pad_token_id": 2,
+    "initializer_range": 0.1, "pretraining_tp": 1, "shift_labels": True, "use_cache": True,
+    "dtype": "bfloat16", "transformers_version": "4.57.1",
+}
+SPARSE = {0, 9, 16, 17, 22, 29, 30, 31}
+
+
+def spec_shapes() -> dict[str, tuple]:
+    """Parameter names and shapes from the spec's state-dict table (section 2)."""
+    s = {"model.embed_tokens.weight": (73448, 4096), "model.norm.weight": (4096,), "lm_head.weight": (73448, 4096)}
+    for i in range(32):
+        p = f"model.layers.{i}."
+        s |= {p + "input_layernorm.weight": (4096,), p + "post_attention_layernorm.weight": (4096,),
+              p + "mlp.gate_proj.weight": (16384, 4096), p + "mlp.up_proj.weight": (16384, 4096),
+              p + "mlp.down_proj.weight": (4096, 16384)}
+        a = p + "self_attn."
+        if i in SPARSE:
+            s |= {a + "q_proj.weight": (4096, 4096), a + "k_proj.weight": (256, 4096), a + "v_proj.weight": (256, 4096),
+                  a + "o_proj.weight": (4096, 4096), a + "o_gate.weight": (4096, 4096)}
+        else:
+            s |= {a + n + ".weight": (4096, 4096) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "z_proj")}
+            s |= {a + "q_norm.weight": (128,), a + "k_norm.weight": (128,), a + "o_norm.weight": (4096,)}
+    return s
+
+
+def test_real_config_builds_meta_model_with_spec_names_and_shapes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(REAL_CONFIG))
+    cfg = SALAConfig.from_pretrained(tmp_path)
+    assert cfg.sparse_layers == sorted(SPARSE)
+    assert abs(cfg.residual_scale - 0.24748737341529164) < 1e-15
+    assert cfg.logit_divisor == 16
+    with torch.device("meta"):
+        model = SALAForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == spec_shapes()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"9B config: {n:,} parameters")
+    assert round(n / 1e9, 2) == 9.48
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"mixer_types": ["minicpm4"] * 31}, "mixer_types"),
+        ({"mixer_types": ["lightning-attn"] + ["minicpm4"] * 31}, "mixer_types[0]"),
+        ({"mixer_types": ["minicpm4", "mamba"] + ["minicpm4"] * 30}, "mixer_types"),
+        ({"head_dim": 64}, "head_dim"),
+        ({"lightning_nh": 16}, "lightning_nh"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ],
+)
+def test_inconsistent_config_names_the_key(change, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        SALAConfig.from_dict({**REAL_CONFIG, **change})
