@@ -221,13 +221,19 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True):
-    """Load a BF16/FP32 SALA checkpoint directory into SALAForCausalLM (eval mode)."""
+    """Load a SALA checkpoint directory into SALAForCausalLM (eval mode).
+
+    A quantized (compressed-tensors NVFP4) checkpoint loads through sala.quant.export with
+    packed weights on the W4A16 path.
+    """
     from sala.model import SALAForCausalLM
 
     path = Path(path)
     config = read_config(path)
     if getattr(config, "quantization_config", None):
-        raise CheckpointError(f"{path}: quantized checkpoint; load it with sala.quant.export.load_quantized_model")
+        from sala.quant.export import load_quantized_model
+
+        return load_quantized_model(path, dtype=dtype, device=device, verify=verify)
     state = load_state_dict(path, verify=verify)
     with torch.device("meta"):
         model = SALAForCausalLM(config)

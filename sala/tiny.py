@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,7 +86,9 @@ def documents() -> list[tuple[str, str]]:
         mod = importlib.import_module(name)
         parts = [inspect.getdoc(mod) or ""]
         for attr in sorted(dir(mod)):
-            obj = getattr(mod, attr)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # e.g. typing.re, reached by dir()
+                obj = getattr(mod, attr)
             if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
                 continue
             doc = inspect.getdoc(obj)

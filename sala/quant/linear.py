@@ -84,7 +84,6 @@ class NVFP4Linear(nn.Module):
         super()._apply(fn, recurse)
         for name, tensor in kept.items():
             self._buffers[name] = tensor.to(self._buffers[name].device)
-        self.drop_cache()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

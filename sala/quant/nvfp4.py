@@ -87,7 +87,9 @@ def global_scale(amax: torch.Tensor | float, scale_rule: str = "6") -> torch.Ten
     fp8_max = _check_scale_rule(scale_rule)
     amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
     amax = amax.clamp(min=torch.finfo(torch.float32).tiny)
-    gscale = fp8_max * FP4_MAX / amax
+    # generate_gparam writes ``S * 6 / amax`` with a Python float over a tensor, which torch
+    # evaluates as reciprocal-then-multiply; spelled out so the bits stay the same.
+    gscale = amax.reciprocal() * (fp8_max * FP4_MAX)
     return torch.nan_to_num(gscale, nan=1.0, posinf=1.0, neginf=1.0)
 
 

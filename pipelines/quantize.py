@@ -1,0 +1,524 @@
+"""The quantize pipeline: a BF16 SALA checkpoint in, an NVFP4 (GPTQ + FourOverSix) checkpoint out,
+evaluated against the BF16 model, tracked in MLflow and registered in its model registry.
+
+    python pipelines/quantize.py                               # tiny-sala, local Ray, sqlite MLflow
+    ray job submit --working-dir . -- python pipelines/quantize.py --model /abs/ckpt --output /abs/out
+
+Stages: calibration set (matched to a target task mix) -> per-layer Hessians (a Ray Data pass
+over calibration shards, or layer by layer through the already quantized layers) -> one Ray task
+per layer (parallel mode) or per module group (sequential mode) running GPTQ -> compressed-tensors
+checkpoint -> perplexity and KL against BF16 -> MLflow run, plots, model version, alias if the
+quality gate passes. Finished layers are kept beside the output, so a rerun resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout or a Ray working_dir
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pipelines.raycluster import RayUnavailable, init_ray  # noqa: E402
+from pipelines.registry import ModelSpecError, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
+from pipelines.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
+from sala.checkpoint import CheckpointError, load_model, read_config  # noqa: E402
+from sala.eval import calibration as cal  # noqa: E402
+from sala.tiny import sala_home  # noqa: E402
+
+FAULT_ENV = "SALA_FAULT_ONCE"  # test hook: "layer=<i>,marker=<path>" kills that layer's task once
+INTERRUPT_ENV = "SALA_INTERRUPT_AFTER_LAYER"  # test hook: Ctrl-C the driver once layer <i> is saved
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pipelines/quantize.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
+    ap.add_argument("--output", help="checkpoint directory to write (default: $SALA_HOME/quantized/<model>-nvfp4)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    ap.add_argument("--method", choices=["gptq", "rtn"], default="gptq")
+    ap.add_argument("--scale-rule", choices=["6", "4over6"], default="4over6", help="FourOverSix or plain NVFP4")
+    ap.add_argument("--act-order", action="store_true", help="GPTQ columns by descending Hessian diagonal")
+    ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of the mean diagonal")
+    ap.add_argument("--mode", choices=["sequential", "parallel"], default="sequential",
+                    help="sequential: Hessians through already quantized layers (accurate); parallel: all from BF16 (fast)")
+    ap.add_argument("--calibration", help="jsonl / parquet / datasets dir (default: tiny-sala corpus + generated code, Q&A, lists)")
+    ap.add_argument("--text-column", help="column holding the text (default: text, prompt, messages or content)")
+    ap.add_argument("--mix-from", help="dataset whose task mix the calibration set should match (e.g. the eval set)")
+    ap.add_argument("--target-mix", help="explicit task mix, e.g. code=0.3,qa=0.3,prose=0.3,list=0.1")
+    ap.add_argument("--num-samples", type=int, default=128, help="calibration rows")
+    ap.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (tokens)")
+    ap.add_argument("--shards", type=int, default=4, help="calibration shards for the Ray Data Hessian pass")
+    ap.add_argument("--workers", type=int, default=None, help="concurrent quantization tasks (default: all CPUs / GPUs)")
+    ap.add_argument("--eval-sequences", type=int, default=32, help="held-out sequences for perplexity and KL")
+    ap.add_argument("--max-kl", type=float, default=0.05, help="quality gate: the alias moves only if mean KL <= this")
+    ap.add_argument("--register-name", help="registered model name (default: <model>-nvfp4)")
+    ap.add_argument("--alias", default="champion", help="alias to move when the gate passes")
+    ap.add_argument("--no-register", action="store_true", help="skip the model registry")
+    ap.add_argument("--experiment", default="sala-quantize", help="MLflow experiment")
+    args = ap.parse_args(argv)
+    for name in ("num_samples", "seq_len", "shards", "eval_sequences"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.workers is not None and args.workers <= 0:
+        ap.error("--workers must be positive")
+    return args
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    try:
+        mix = {k.strip(): float(v) for k, v in (kv.split("=") for kv in text.split(","))}
+    except ValueError as e:
+        raise cal.DatasetError(f"--target-mix {text!r}: expected task=share,... ({e})") from e
+    if not mix or any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
+        raise cal.DatasetError(f"--target-mix {text!r}: shares must be non-negative and not all zero")
+    return mix
+
+
+# ------------------------------------------------------------------------------ calibration
+def calibration_rows(args, tokenizer) -> tuple[list[cal.Row], cal.MixReport]:
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+
+    if args.calibration:
+        records, bad = cal.read_records(args.calibration)
+        column = cal.text_column(records, args.calibration, args.text_column)
+        rows = cal.to_rows(records, column, render)
+    else:
+        rows, bad = cal.default_source_rows(), 0
+    return rows, cal.analyse(rows, bad)
+
+
+def target_mix(args) -> dict[str, float] | None:
+    if args.target_mix:
+        return parse_mix(args.target_mix)
+    if args.mix_from:
+        records, _ = cal.read_records(args.mix_from)
+        column = cal.text_column(records, args.mix_from, args.text_column)
+        return cal.analyse(cal.to_rows(records, column)).proportions
+    return None
+
+
+def calibration_sequences(rows: list[cal.Row], tokenizer, args, mix) -> torch.Tensor:
+    picked = cal.build_calibration(rows, args.num_samples, mix, seed=0)
+    ids = [tokenizer(r.text, add_special_tokens=True, verbose=False)["input_ids"] for r in picked]
+    return cal.pack_sequences(ids, args.seq_len, tokenizer.eos_token_id)
+
+
+# ---------------------------------------------------------------------------- ray workers
+def _torch_threads():
+    import ray
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    torch.set_num_threads(max(1, int(cpus)))
+
+
+class HessianShard:
+    """Ray Data stage: the BF16 model on one calibration shard, with X^T X hooks on every layer."""
+
+    def __init__(self, model_dir: str):
+        from sala.quant.layerwise import collect_hessians
+
+        _torch_threads()
+        self.model = load_model(model_dir, dtype=torch.float32)
+        self.accs, _ = collect_hessians(dict(enumerate(self.model.model.layers)))
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        out = {"shard": [], "layer": [], "site": [], "xtx": [], "tokens": []}
+        for shard, ids in zip(batch["shard"], batch["ids"]):
+            for acc in self.accs.values():
+                acc.xtx.zero_()
+                acc.tokens = 0
+            with torch.no_grad():
+                self.model(torch.as_tensor(np.stack(ids)), use_cache=False)
+            for (layer, site), acc in self.accs.items():
+                out["shard"].append(int(shard))
+                out["layer"].append(layer)
+                out["site"].append(site)
+                out["xtx"].append(acc.xtx.numpy().ravel().copy())
+                out["tokens"].append(acc.tokens)
+        return out
+
+
+def hessians_parallel(model_dir: Path, seqs: torch.Tensor, shards: int, workers: int) -> dict[int, dict[str, torch.Tensor]]:
+    """One Ray Data pass over the shards; partial sums are reduced in shard order, so the
+    result does not depend on which actor finished first."""
+    import ray
+
+    from sala.quant.gptq import HessianAccumulator
+
+    chunks = [c for c in torch.tensor_split(seqs, min(shards, len(seqs))) if len(c)]
+    ds = ray.data.from_items([{"shard": i, "ids": c.numpy()} for i, c in enumerate(chunks)])
+    parts = ds.map_batches(HessianShard, fn_constructor_kwargs={"model_dir": str(model_dir)}, batch_size=1,
+                           compute=ray.data.ActorPoolStrategy(size=min(workers, len(chunks))), num_cpus=1).take_all()
+    accs: dict[tuple[int, str], HessianAccumulator] = {}
+    for p in sorted(parts, key=lambda p: (p["layer"], p["site"], p["shard"])):
+        k = int(len(p["xtx"]) ** 0.5)
+        part = HessianAccumulator(k)
+        part.xtx = torch.from_numpy(p["xtx"].reshape(k, k).copy())
+        part.tokens = int(p["tokens"])
+        accs.setdefault((p["layer"], p["site"]), HessianAccumulator(k)).merge(part)
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for (layer, site), acc in accs.items():
+        out.setdefault(layer, {})[site] = acc.hessian(f"layer {layer} {site}")
+    return out
+
+
+def quantize_task(layer_idx: int, weights, hessians, groups, opts: dict):
+    """Ray task body: GPTQ/RTN for one layer (or some of its module groups)."""
+    from sala.quant.layerwise import quantize_layer
+    from sala.quant.nvfp4 import NVFP4Tensor
+
+    _maybe_fail(layer_idx)
+    _torch_threads()
+    if torch.cuda.is_available():
+        weights = {k: v.cuda() for k, v in weights.items()}
+        hessians = {k: v.cuda() for k, v in (hessians or {}).items()}
+    res = quantize_layer(weights, hessians, groups, layer_name=f"model.layers.{layer_idx}", **opts)
+    # Back to CPU: the driver that assembles the checkpoint may have no GPU.
+    return {m: (NVFP4Tensor(q.codes.cpu(), q.scale.cpu(), q.global_scale.cpu(), q.m4_mask.cpu()), stats)
+            for m, (q, stats) in res.items()}
+
+
+def _maybe_fail(layer_idx: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    fields = dict(kv.split("=", 1) for kv in spec.split(","))
+    marker = Path(fields["marker"])
+    if int(fields["layer"]) == layer_idx and not marker.exists():
+        marker.touch()
+        os._exit(1)  # a worker dying mid-task, as a preempted or OOM-killed node would
+
+
+# ----------------------------------------------------------------------- per-layer results
+class LayerStore:
+    """Finished layers beside the output, each a safetensors file plus a JSON record with its
+    sha256 and the options that produced it; a rerun reuses exactly those that still verify."""
+
+    def __init__(self, directory: Path, fingerprint: str):
+        self.dir = directory
+        self.fingerprint = fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _paths(self, idx: int):
+        return self.dir / f"layer_{idx:03d}.safetensors", self.dir / f"layer_{idx:03d}.json"
+
+    def save(self, idx: int, results: dict) -> None:
+        from safetensors.torch import save_file
+
+        tensors, stats = {}, {}
+        for m, (q, st) in results.items():
+            tensors |= {f"{m}.codes": q.codes, f"{m}.scale": q.scale, f"{m}.global_scale": q.global_scale,
+                        f"{m}.m4_mask": q.m4_mask.to(torch.uint8)}
+            stats[m] = asdict(st) if st is not None else {"m4_share": q.m4_share}
+        st_path, rec_path = self._paths(idx)
+        tmp = st_path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        tmp.rename(st_path)
+        record = {"fingerprint": self.fingerprint, "sha256": _sha256(st_path), "stats": stats}
+        rec_path.with_suffix(".tmp").write_text(json.dumps(record))
+        rec_path.with_suffix(".tmp").rename(rec_path)
+
+    def load(self, idx: int):
+        """The layer's results if a finished, verified, same-options file exists, else None."""
+        from safetensors.torch import load_file
+
+        from sala.quant.gptq import GPTQStats
+        from sala.quant.nvfp4 import NVFP4Tensor
+
+        st_path, rec_path = self._paths(idx)
+        if not (st_path.exists() and rec_path.exists()):
+            return None
+        record = json.loads(rec_path.read_text())
+        if record["fingerprint"] != self.fingerprint or record["sha256"] != _sha256(st_path):
+            return None
+        t = load_file(str(st_path))
+        out = {}
+        for m, st in record["stats"].items():
+            q = NVFP4Tensor(t[f"{m}.codes"], t[f"{m}.scale"], t[f"{m}.global_scale"], t[f"{m}.m4_mask"].bool())
+            out[m] = (q, GPTQStats(**st) if "seconds" in st else None)
+        return out
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------------- stages
+def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: LayerStore, workers: int, log_layer) -> dict:
+    """All layers quantized; returns {layer_idx: {module: (NVFP4Tensor, stats)}}."""
+    import ray
+    from tqdm import tqdm
+
+    from sala.quant.layerwise import apply_quantized, collect_hessians, layer_groups, layer_weights
+
+    opts = {"method": args.method, "scale_rule": args.scale_rule, "act_order": args.act_order, "damp": args.damp}
+    gpus = ray.cluster_resources().get("GPU", 0)
+    task = ray.remote(quantize_task).options(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=3,
+                                             retry_exceptions=False)
+    layers = model.model.layers
+    results: dict[int, dict] = {}
+    for i in range(len(layers)):
+        finished = store.load(i)
+        if finished is not None:
+            results[i] = finished
+    reused = sorted(results)
+    if reused:
+        print(f"resuming: reusing {len(reused)} finished layer(s) {reused}", flush=True)
+    bar = tqdm(total=len(layers), initial=len(reused), desc="quantizing layers", file=sys.stderr)
+
+    def finish(idx, res):
+        store.save(idx, res)
+        results[idx] = res
+        log_layer(idx, res)
+        bar.update(1)
+        if os.environ.get(INTERRUPT_ENV) == str(idx):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    if args.mode == "parallel":
+        hessians = {} if args.method == "rtn" else hessians_parallel(model_dir, seqs, args.shards, workers)
+        pending = {}
+        for i, layer in enumerate(layers):
+            if i not in results:
+                ref = task.remote(i, layer_weights(layer), hessians.get(i), layer_groups(layer), opts)
+                pending[ref] = i
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            idx = pending.pop(done[0])
+            finish(idx, _get(done[0], idx))
+    else:
+        # Layer by layer: this layer's Hessians come from inputs that already went through the
+        # quantized layers before it, so GPTQ corrects the error those layers introduced.
+        h = model.model.embed_tokens(seqs) * model.config.scale_emb
+        positions = torch.arange(seqs.shape[1]).expand(seqs.shape[0], -1)
+        for i, layer in enumerate(layers):
+            if i not in results:
+                accs, handles = collect_hessians({i: layer})
+                with torch.no_grad():
+                    layer(h, positions, None, None, seqs.shape[1])
+                for hd in handles:
+                    hd.remove()
+                hess = {site: acc.hessian(f"layer {i} {site}") for (_, site), acc in accs.items()}
+                weights, groups = layer_weights(layer), layer_groups(layer)
+                # Module groups of one layer are independent given the layer's inputs: run them at once.
+                refs = [task.remote(i, {m: weights[m] for m in g}, {site: hess[site]}, {site: [g]}, opts)
+                        for site, gs in groups.items() for g in gs]
+                res = {}
+                for ref in refs:
+                    res.update(_get(ref, i))
+                finish(i, res)
+            apply_quantized(layer, {m: q for m, (q, _) in results[i].items()})
+            with torch.no_grad():
+                h = layer(h, positions, None, None, seqs.shape[1])
+    bar.close()
+    return results
+
+
+def _get(ref, idx):
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        raise RuntimeError(f"quantizing model.layers.{idx} failed: {e.cause!r}") from e
+    except ray.exceptions.WorkerCrashedError as e:
+        raise RuntimeError(f"quantizing model.layers.{idx} failed: its worker died repeatedly ({e})") from e
+
+
+# ----------------------------------------------------------------------------------- report
+def per_layer_table(results: dict) -> list[dict]:
+    rows = []
+    for idx in sorted(results):
+        for m, (q, st) in sorted(results[idx].items()):
+            rows.append({"layer": idx, "module": m, "m4_share": q.m4_share,
+                         "weight_error": st.weight_error if st else None,
+                         "output_error": st.output_error if st else None,
+                         "seconds": st.seconds if st else None})
+    return rows
+
+
+def plots(rows: list[dict], kinds: list[str]):
+    """PNG figures: M=4 share per layer and module type, output error per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    layers = sorted({r["layer"] for r in rows})
+    mtypes = sorted({r["module"].split(".")[-1] for r in rows})
+    share = np.full((len(mtypes), len(layers)), np.nan)
+    for r in rows:
+        share[mtypes.index(r["module"].split(".")[-1]), layers.index(r["layer"])] = r["m4_share"]
+    fig1, ax = plt.subplots(figsize=(1 + 0.5 * len(layers), 0.5 + 0.4 * len(mtypes)))
+    im = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    ax.set_xticks(range(len(layers)), [f"{i}{'S' if kinds[i] == 'minicpm4' else 'L'}" for i in layers])
+    ax.set_yticks(range(len(mtypes)), mtypes)
+    ax.set_xlabel("layer (S = sparse, L = lightning)")
+    ax.set_title("FourOverSix: share of 16-blocks scaled to 4")
+    fig1.colorbar(im, ax=ax)
+    fig1.tight_layout()
+    fig2, ax = plt.subplots(figsize=(7, 3.5))
+    for mt in mtypes:
+        pts = [(r["layer"], r["output_error"]) for r in rows if r["module"].endswith(mt) and r["output_error"] is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=mt)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative output error")
+    ax.set_yscale("log")
+    ax.set_title("GPTQ output error on calibration inputs")
+    ax.legend(fontsize=7, ncol=2)
+    fig2.tight_layout()
+    return {"m4_share_per_layer.png": fig1, "output_error_per_layer.png": fig2}
+
+
+# ------------------------------------------------------------------------------------- main
+def model_name(spec: str | None, model_dir: Path) -> str:
+    """A readable name: the registry name, or the directory name without tiny-sala's recipe hash."""
+    if spec and spec.startswith("models:/"):
+        return spec.removeprefix("models:/").split("@")[0].split("/")[0]
+    return re.sub(r"-[0-9a-f]{12}$", "", model_dir.name)
+
+
+def default_output(name: str, args) -> Path:
+    return sala_home() / "quantized" / f"{name}-nvfp4-{args.method}-{args.scale_rule}"
+
+
+def fingerprint(args, model_dir: Path, seqs: torch.Tensor) -> str:
+    keys = {k: getattr(args, k) for k in ("method", "scale_rule", "act_order", "damp", "mode")}
+    h = hashlib.sha256(json.dumps(keys, sort_keys=True).encode())
+    h.update(str(model_dir).encode())
+    h.update(seqs.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (ModelSpecError, CheckpointError, cal.DatasetError, TrackingError, RayUnavailable, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: finished layers are kept; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+def run(args) -> int:
+    import mlflow
+    from transformers import AutoTokenizer
+
+    from sala.eval.compare import compare_models, window_sequences
+    from sala.quant.export import export_checkpoint
+    from sala.quant.layerwise import layer_groups  # noqa: F401  (fail early if the quant library is broken)
+    from sala.tiny import split_corpus, token_stream
+
+    t_start = time.time()
+    # Everything cheap that can fail is checked before any model is loaded or Ray is started.
+    check_reachable(tracking_uri())
+    model_dir = resolve_model_path(args.model)
+    config = read_config(model_dir)
+    name = model_name(args.model, model_dir)
+    output = Path(args.output).absolute() if args.output else default_output(name, args)
+    if output.exists() and not args.overwrite:
+        raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows, report = calibration_rows(args, tokenizer)
+    mix = target_mix(args)
+    seqs = calibration_sequences(rows, tokenizer, args, mix)
+    print(f"model      {model_dir}\noutput     {output}\nmlflow     {tracking_uri()}")
+    print(f"calibration source mix:\n{report.table()}")
+    print(f"calibration set: {len(seqs)} sequences x {args.seq_len} tokens, target mix {mix or 'source mix'}")
+
+    resources = init_ray()
+    workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
+    setup_mlflow(args.experiment)
+    model = load_model(model_dir, dtype=torch.float32)
+    store = LayerStore(output.with_name(f".{output.name}.layers"), fingerprint(args, model_dir, seqs))
+    register_name = args.register_name or f"{name}-nvfp4"
+
+    with mlflow.start_run(run_name=f"quantize-{args.method}-{args.scale_rule}-{args.mode}") as run:
+        mlflow.log_params({k: v for k, v in vars(args).items() if v is not None} | {"model_dir": str(model_dir),
+                          "calibration_sequences": len(seqs), "workers": workers})
+        mlflow.log_dict(report.to_dict(), "calibration_mix.json")
+        mlflow.log_text(report.table(), "calibration_mix.txt")
+
+        def log_layer(idx, res):
+            metrics = {f"m4_share/layer_{idx:02d}": sum(q.m4_share for q, _ in res.values()) / len(res)}
+            errs = [st.output_error for _, st in res.values() if st is not None]
+            if errs:
+                metrics[f"output_error/layer_{idx:02d}"] = sum(errs) / len(errs)
+            mlflow.log_metrics(metrics)
+            mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
+
+        t0 = time.time()
+        results = run_quantization(args, model_dir, model, seqs, store, workers, log_layer)
+        quant_seconds = time.time() - t0
+        quantized = {f"model.layers.{i}.{m}": q for i, res in results.items() for m, (q, _) in res.items()}
+        rows_table = per_layer_table(results)
+        m4 = sum(r["m4_share"] for r in rows_table) / len(rows_table)
+
+        reference = load_model(model_dir, dtype=torch.float32)
+        export_checkpoint(reference, quantized, output, tokenizer, scale_rule=args.scale_rule, method=args.method,
+                          overwrite=args.overwrite,
+                          producer={"name": "pipelines/quantize.py", "args": {k: v for k, v in vars(args).items()}},
+                          metrics={"m4_share": m4, "quantize_seconds": quant_seconds})
+        shutil.rmtree(store.dir, ignore_errors=True)
+
+        candidate = load_model(output, dtype=torch.float32)  # evaluate what was written, not what is in memory
+        _, heldout = split_corpus(10)
+        windows = window_sequences(token_stream(tokenizer, heldout), args.seq_len, args.eval_sequences)
+        quality = compare_models(reference, candidate, windows)
+        gate = quality["kl_mean"] <= args.max_kl
+        mlflow.log_metrics({"ppl_bf16": quality["ppl_reference"], "ppl_nvfp4": quality["ppl"],
+                            "kl_mean": quality["kl_mean"], "top1_agreement": quality["top1_agreement"],
+                            "m4_share": m4, "quantize_seconds": quant_seconds, "gate_passed": float(gate)})
+        mlflow.log_table({k: [r[k] for r in rows_table] for k in rows_table[0]}, artifact_file="per_layer.json")
+        for name, fig in plots(rows_table, config.mixer_types).items():
+            mlflow.log_figure(fig, name)
+        version = None
+        if not args.no_register:
+            version = register_checkpoint(output, register_name, tags={"method": args.method, "scale_rule": args.scale_rule,
+                                          "kl_mean": f"{quality['kl_mean']:.5f}", "gate": "passed" if gate else "failed"})
+            if gate:
+                set_alias(register_name, args.alias, version)
+
+    print_summary(rows_table, quality, gate, args, output, register_name, version, run.info.run_id, time.time() - t_start, quant_seconds)
+    return 0
+
+
+def print_summary(rows, quality, gate, args, output, name, version, run_id, seconds, quant_seconds) -> None:
+    print(f"\n{'layer':>5}  {'module':<22}{'M=4 share':>10}{'weight err':>12}{'output err':>12}")
+    for r in rows:
+        we = f"{r['weight_error']:.2e}" if r["weight_error"] is not None else "-"
+        oe = f"{r['output_error']:.2e}" if r["output_error"] is not None else "-"
+        print(f"{r['layer']:>5}  {r['module']:<22}{r['m4_share']:>10.1%}{we:>12}{oe:>12}")
+    print(f"\n{'':<18}{'BF16':>10}{'NVFP4':>10}")
+    print(f"{'perplexity':<18}{quality['ppl_reference']:>10.3f}{quality['ppl']:>10.3f}")
+    print(f"mean KL {quality['kl_mean']:.5f}  top-1 agreement {quality['top1_agreement']:.2%}  "
+          f"gate (KL <= {args.max_kl}) {'passed' if gate else 'FAILED'}")
+    reg = f"{name} v{version}" + (f" @{args.alias}" if gate else " (alias not moved)") if version else "not registered"
+    print(f"checkpoint {output}\nregistry   {reg}\nmlflow run {run_id}")
+    print(f"time       {seconds:.1f} s total, {quant_seconds:.1f} s quantizing")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

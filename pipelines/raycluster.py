@@ -1,0 +1,27 @@
+"""Connecting to Ray: a cluster when RAY_ADDRESS is set (as under `ray job submit`), else a
+local Ray sized for this machine. Fails fast, with the address in the message."""
+from __future__ import annotations
+
+import os
+
+
+class RayUnavailable(RuntimeError):
+    pass
+
+
+def init_ray(num_cpus: int | None = None, object_store_mb: int = 512) -> dict:
+    """Start or join Ray; returns the cluster's resources."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(num_cpus=num_cpus, object_store_memory=object_store_mb << 20, include_dashboard=False,
+                     log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise RayUnavailable(f"cannot reach Ray at RAY_ADDRESS={address!r}: {str(e).splitlines()[0]}") from e
+    return ray.cluster_resources()

@@ -1,0 +1,93 @@
+"""The MLflow model registry as a source of checkpoints: register a directory, resolve a URI.
+
+A checkpoint is logged as an MLflow pyfunc model whose artifact is the checkpoint directory
+itself, so `models:/name@alias` both loads in MLflow (pyfunc predict generates text) and
+resolves here to a plain directory the engine and the pipelines read.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from sala.tiny import ensure_tiny_sala, sala_home
+
+PYFUNC_CODE = Path(__file__).with_name("sala_pyfunc.py")
+
+
+class ModelSpecError(ValueError):
+    """A --model value that is neither a checkpoint directory nor a registry URI that exists."""
+
+
+def register_checkpoint(checkpoint: Path, name: str, tags: dict | None = None, description: str | None = None) -> str:
+    """Log `checkpoint` as a model (inside the active run, if any) and register a new version of `name`."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    info = mlflow.pyfunc.log_model(
+        name="checkpoint",
+        python_model=str(PYFUNC_CODE),
+        artifacts={"checkpoint": str(checkpoint)},
+        registered_model_name=name,
+        pip_requirements=["sala"],
+    )
+    version = str(info.registered_model_version)
+    client = MlflowClient()
+    for k, v in (tags or {}).items():
+        client.set_model_version_tag(name, version, k, str(v))
+    if description:
+        client.update_model_version(name, version, description=description)
+    return version
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    from mlflow import MlflowClient
+
+    MlflowClient().set_registered_model_alias(name, alias, version)
+
+
+def _registry_version(uri: str) -> tuple[str, str]:
+    """models:/name@alias or models:/name/version -> (name, version), or ModelSpecError."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    body = uri.removeprefix("models:/")
+    client = MlflowClient()
+    try:
+        if "@" in body:
+            name, alias = body.split("@", 1)
+            return name, str(client.get_model_version_by_alias(name, alias).version)
+        name, _, version = body.partition("/")
+        if not version:
+            raise ModelSpecError(f"{uri}: give a version or an alias (models:/name/3 or models:/name@champion)")
+        return name, str(client.get_model_version(name, version).version)
+    except MlflowException as e:
+        raise ModelSpecError(f"{uri}: not in the model registry ({e.message})") from e
+
+
+def resolve_model_path(spec: str | None) -> Path:
+    """None -> tiny-sala; a directory -> itself; a registry URI -> its checkpoint, downloaded once."""
+    if spec is None:
+        return ensure_tiny_sala()
+    if spec.startswith("models:/"):
+        import mlflow
+
+        from pipelines.tracking import check_reachable, tracking_uri
+
+        check_reachable(tracking_uri())
+        mlflow.set_tracking_uri(tracking_uri())
+        name, version = _registry_version(spec)
+        target = sala_home() / "registry" / name / version
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=tmp))
+                try:
+                    (local / "artifacts" / "checkpoint").rename(target)
+                except OSError:
+                    if not target.exists():  # not a concurrent download that finished first
+                        raise
+        return target
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ModelSpecError(f"{spec}: no such model directory (nor a models:/ registry URI)")
+    return path.absolute()

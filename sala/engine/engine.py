@@ -1,0 +1,216 @@
+"""The engine: requests in, tokens out, one `step` at a time.
+
+`Engine` is synchronous and single-threaded: `add_request`, then call `step()` until
+`has_work()` is false (or use `generate` for a list of prompts). Each step schedules a batch,
+runs it through the model, samples one token for every request that reached the end of its
+prompt, and hands each request a RequestOutput through its callback.
+
+`AsyncEngine` runs that loop in a background thread for servers: `generate` is an async
+iterator of RequestOutputs, and leaving it early (a client that disconnects) cancels the
+request, which frees its cache at the start of the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import torch
+
+from sala.engine.cache import CachePool
+from sala.engine.detokenizer import IncrementalDetokenizer
+from sala.engine.params import InvalidParam, SamplingParams
+from sala.engine.request import Completion, Request, RequestOutput, TokenLogprob
+from sala.engine.runner import ModelRunner
+from sala.engine.sampling import sample
+from sala.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
+    """A SALA checkpoint directory -> model; NVFP4 checkpoints load through the W4A16 path."""
+    path = Path(path)
+    if "quantization_config" in json.loads((path / "config.json").read_text()):
+        from sala.quant.export import load_quantized_model
+
+        return load_quantized_model(path)
+    from sala.checkpoint import load_model
+
+    return load_model(path, dtype=dtype, device=device)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, memory_bytes: int = 256 << 20, max_seqs: int = 32,
+                 max_batch_tokens: int = 512, max_waiting: int = 256, page_size: int = 64, min_rows: int = 8,
+                 kv_dtypes: dict[int, torch.dtype] | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = model.config
+        param = next(model.parameters())
+        self.cache = CachePool(self.config, memory_bytes, max_seqs, page_size, param.dtype, kv_dtypes, param.device)
+        self.scheduler = Scheduler(self.cache, max_batch_tokens, max_seqs, max_waiting)
+        self.runner = ModelRunner(model, self.cache, min_rows)
+        eos = self.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.max_model_len = self.config.max_position_embeddings
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", **kwargs) -> Engine:
+        from transformers import AutoTokenizer
+
+        import sala  # noqa: F401  registers the tokenizer class with transformers
+
+        return cls(load_checkpoint(path, dtype, device), AutoTokenizer.from_pretrained(path), **kwargs)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
+            raise InvalidParam("prompt", f"token ids must be integers in [0, {self.config.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    on_output: Callable[[RequestOutput], None] = lambda out: None, request_id: str | None = None) -> Request:
+        """Queue a request; raises InvalidParam for bad input and QueueFull when the queue is at its limit."""
+        params.validate(self.config.vocab_size)
+        ids = self.encode(prompt)
+        if not ids:
+            raise InvalidParam("prompt", "prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidParam("prompt", f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len}")
+        if len(ids) + params.max_tokens > min(self.max_model_len, self.cache.max_tokens):
+            limit = min(self.max_model_len, self.cache.max_tokens) - len(ids)
+            raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} but the prompt ({len(ids)} tokens) "
+                                             f"leaves room for at most {limit}")
+        req = Request(ids, params, IncrementalDetokenizer(self.tokenizer, ids, params.stop), on_output)
+        if request_id:
+            req.request_id = request_id
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+            req.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.scheduler.add(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        req.cancelled = True  # acted on by the step thread, at the start of the next step
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> None:
+        for r in self.scheduler.pop_cancelled():
+            self._emit(r, [], None, "cancelled")
+        sched = self.scheduler.schedule()
+        if not sched.num_tokens:
+            return
+        reqs, logits = self.runner.run(sched)
+        for r in sched.decodes:
+            r.num_computed += 1
+        for r, _, end in sched.prefills:
+            r.num_computed = end
+        tokens, logprobs = sample(logits, reqs)
+        for r, token, lp in zip(reqs, tokens, logprobs):
+            self._append(r, token, lp)
+
+    def _append(self, r: Request, token: int, lp: TokenLogprob | None) -> None:
+        r.output_ids.append(token)
+        r.first_token_at = r.first_token_at or time.perf_counter()
+        if lp is not None:
+            r.logprobs.append(lp)
+        reason = None
+        if (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_token_ids:
+            reason = "stop"
+        elif r.detokenizer.append(token):
+            reason = "stop"
+        elif len(r.output_ids) >= r.params.max_tokens:
+            reason = "length"
+        self._emit(r, [token], lp, reason)
+
+    def _emit(self, r: Request, tokens: list[int], lp: TokenLogprob | None, reason: str | None) -> None:
+        if reason:
+            r.finish_reason = reason
+            self.scheduler.finish(r)
+        r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],
+                                  reason is not None, reason, len(r.prompt_ids), len(r.output_ids)))
+
+    def fail_all(self) -> list[Request]:
+        """After a step raised: drop every request (their cache contents are not trustworthy)."""
+        with self.scheduler.lock:
+            gone = list(self.scheduler.waiting) + list(self.scheduler.running)
+            self.scheduler.waiting.clear()
+        for r in gone:
+            self.scheduler.finish(r)
+        return gone
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion in this thread, feeding the queue as it drains; results in prompt order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        pending = deque(zip(prompts, params))
+        reqs = []
+        while pending or self.has_work():
+            while pending and self.scheduler.num_waiting < self.scheduler.max_waiting:
+                reqs.append(self.add_request(*pending.popleft()))
+            self.step()
+        return [r.completion() for r in reqs]
+
+
+class AsyncEngine:
+    """Engine.step in a background thread; requests are async iterators of RequestOutput."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.wakeup = threading.Event()
+        self.stopping = False
+        self.failures: dict[str, Callable[[BaseException], None]] = {}
+        self.thread = threading.Thread(target=self._loop, name="sala-engine", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stopping:
+            if not self.engine.has_work():
+                self.wakeup.wait()
+                self.wakeup.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # a bug or OOM must not hang every waiting client
+                log.exception("engine step failed; failing all requests")
+                for r in self.engine.fail_all():
+                    self.failures.pop(r.request_id, lambda e: None)(e)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        req = self.engine.add_request(prompt, params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), request_id)
+        self.failures[req.request_id] = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)
+        self.wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"engine failure: {out}") from out
+                finished = out.finished
+                yield out
+        finally:
+            self.failures.pop(req.request_id, None)
+            if not finished:
+                self.engine.cancel(req)
+                self.wakeup.set()
+
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def close(self) -> None:
+        self.stopping = True
+        self.wakeup.set()
+        self.thread.join(timeout=10)

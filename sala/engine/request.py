@@ -1,0 +1,88 @@
+"""A request's state inside the engine, and what the engine hands back after each step."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from sala.engine.detokenizer import IncrementalDetokenizer
+from sala.engine.params import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob), most likely first
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request; `text` and `token_ids` are the new part only."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None  # "stop" (eos, stop token or string), "length", "cancelled"
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str
+    time_to_first_token_s: float
+    latency_s: float
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    on_output: Callable[[RequestOutput], None]
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V and state are in the cache
+    slots: torch.Tensor | None = None  # KV-pool slot of every position this request may reach
+    pages: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    generator: torch.Generator | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Positions reserved at admission: the prompt plus every token it may generate."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    def completion(self) -> Completion:
+        now = time.perf_counter()
+        first = self.first_token_at or now
+        return Completion(self.request_id, self.prompt_ids, self.output_ids, self.detokenizer.text, self.logprobs,
+                          self.finish_reason, first - self.arrival, now - self.arrival)

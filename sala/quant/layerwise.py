@@ -1,0 +1,118 @@
+"""Quantizing a whole SALA model, one decoder layer at a time.
+
+The pieces the single-process CLI (`python -m sala.quant`) and the Ray pipeline
+(pipelines/quantize.py) share, so both produce the same checkpoint from the same inputs:
+
+- `LAYER_GROUPS`: which Linears of a layer are quantized, which share one input (and so one
+  Hessian) and which form a fused group that must share one global scale (q/k/v; gate/up),
+  because vLLM and SGLang fuse them into one GEMM with a single global scale.
+- `collect_hessians`: forward hooks accumulate X^T X per input site.
+- `quantize_layer`: GPTQ or RTN for every Linear of one layer, given that layer's weights and
+  Hessians; a pure function of tensors, so a Ray task can run it anywhere.
+- `apply_quantized`: put the quantized weights back into the model (packed NVFP4Linear, or
+  dequantized into the existing Linear), e.g. to propagate calibration inputs in
+  sequential mode.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sala.quant.gptq import GPTQStats, HessianAccumulator, gptq_quantize
+from sala.quant.nvfp4 import NVFP4Tensor, quantize_rtn
+
+# site -> modules reading that input; tuples inside are fused groups sharing a global scale.
+LAYER_GROUPS = {
+    "sparse": {
+        "attn_in": [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_gate",)],
+        "attn_out": [("self_attn.o_proj",)],
+        "mlp_in": [("mlp.gate_proj", "mlp.up_proj")],
+        "mlp_out": [("mlp.down_proj",)],
+    },
+    "lightning": {
+        "attn_in": [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.z_proj",)],
+        "attn_out": [("self_attn.o_proj",)],
+        "mlp_in": [("mlp.gate_proj", "mlp.up_proj")],
+        "mlp_out": [("mlp.down_proj",)],
+    },
+}
+
+
+def layer_groups(layer: nn.Module) -> dict[str, list[tuple[str, ...]]]:
+    """LAYER_GROUPS of this layer, without the modules its config switched off."""
+    groups = LAYER_GROUPS["lightning" if layer.is_lightning else "sparse"]
+    present = dict(layer.named_modules())
+    return {site: [g for g in gs if all(m in present for m in g)] for site, gs in groups.items()}
+
+
+def layer_modules(layer: nn.Module) -> list[str]:
+    return [m for gs in layer_groups(layer).values() for g in gs for m in g]
+
+
+def quantized_module_names(model) -> list[str]:
+    """Full names of every Linear the checkpoint stores as NVFP4 (lm_head and embeddings stay BF16)."""
+    return [f"model.layers.{i}.{m}" for i, layer in enumerate(model.model.layers) for m in layer_modules(layer)]
+
+
+def collect_hessians(layers: dict[int, nn.Module]) -> tuple[dict[tuple[int, str], HessianAccumulator], list]:
+    """Install hooks that accumulate each site's input second moment while the caller runs
+    forwards. Returns the accumulators keyed by (layer index, site) and the hook handles."""
+    accs: dict[tuple[int, str], HessianAccumulator] = {}
+    handles = []
+    for idx, layer in layers.items():
+        named = dict(layer.named_modules())
+        for site, groups in layer_groups(layer).items():
+            first = named[groups[0][0]]
+            acc = HessianAccumulator(first.in_features)
+            accs[(idx, site)] = acc
+            handles.append(first.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0].detach())))
+    return accs, handles
+
+
+def layer_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(layer.named_modules())
+    return {m: named[m].weight.detach().float().cpu() for m in layer_modules(layer)}
+
+
+def quantize_layer(
+    weights: dict[str, torch.Tensor],
+    hessians: dict[str, torch.Tensor] | None,
+    groups: dict[str, list[tuple[str, ...]]],
+    *,
+    method: str = "gptq",
+    scale_rule: str = "4over6",
+    act_order: bool = False,
+    damp: float = 0.01,
+    layer_name: str = "layer",
+) -> dict[str, tuple[NVFP4Tensor, GPTQStats | None]]:
+    """Quantize every Linear of one layer. Fused groups share the global scale, computed from
+    the original weights before any GPTQ update."""
+    if method not in ("gptq", "rtn"):
+        raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
+    out: dict[str, tuple[NVFP4Tensor, GPTQStats | None]] = {}
+    for site, site_groups in groups.items():
+        for group in site_groups:
+            amax = max(weights[m].abs().max() for m in group)
+            for m in group:
+                name = f"{layer_name}.{m}"
+                if method == "rtn":
+                    out[m] = (quantize_rtn(weights[m], scale_rule, global_amax=amax), None)
+                else:
+                    out[m] = gptq_quantize(weights[m], hessians[site], scale_rule=scale_rule, global_amax=amax,
+                                           damp=damp, act_order=act_order, name=name)
+    return out
+
+
+def apply_quantized(layer: nn.Module, results: dict[str, NVFP4Tensor], packed: bool = False) -> None:
+    """Replace a layer's Linears by their quantized versions: NVFP4Linear modules (packed) or
+    the dequantized weights in the existing Linears, in the layer's dtype."""
+    from sala.quant.linear import NVFP4Linear
+
+    for name, q in results.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        old = getattr(parent, child)
+        if packed:
+            setattr(parent, child, NVFP4Linear.from_quantized(q).to(old.weight.device))
+        else:
+            old.weight.data = q.dequantize(old.weight.dtype).to(old.weight.device)

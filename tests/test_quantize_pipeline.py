@@ -1,0 +1,172 @@
+"""The quantize pipeline end to end on tiny-sala: real local Ray, real MLflow sqlite store, the
+real CLI in a subprocess; a worker killed mid-run; an interrupted run resumed; `ray job submit`."""
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "2", "--eval-sequences", "6", "--max-kl", "0.5"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    home = tmp_path_factory.mktemp("sala_home")
+    e = dict(os.environ)
+    e.update({"SALA_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+              "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
+    e.pop("RAY_ADDRESS", None)
+    e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
+    return e
+
+
+def run_pipeline(env, *args, check=True, extra_env=None):
+    r = subprocess.run([sys.executable, str(ROOT / "pipelines" / "quantize.py"), *args], capture_output=True,
+                       text=True, env={**env, **(extra_env or {})}, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"pipeline failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def weights_sha(ckpt: Path) -> str:
+    return hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def sequential_run(env, tiny_sala_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "seq"
+    r = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--register-name", "tiny-q", *SMALL)
+    return out, r
+
+
+def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sala_dir):
+    import mlflow
+    from mlflow import MlflowClient
+
+    from sala.checkpoint import load_model
+
+    out, r = sequential_run
+    print(r.stdout[-2500:])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    model = load_model(out)  # the written checkpoint loads through the W4A16 path
+    assert model.config.num_hidden_layers == 8
+    assert "gate (KL <= 0.5) passed" in r.stdout
+
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("sala-quantize")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    m = runs[0].data.metrics
+    assert m["ppl_nvfp4"] < 1.5 * m["ppl_bf16"]
+    assert 0 <= m["kl_mean"] <= 0.5 and m["gate_passed"] == 1.0
+    assert {f"m4_share/layer_{i:02d}" for i in range(8)} <= set(m)
+    assert 0.05 < m["m4_share"] < 0.8
+    artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id)}
+    assert {"per_layer.json", "m4_share_per_layer.png", "output_error_per_layer.png", "calibration_mix.json"} <= artifacts
+    version = client.get_model_version_by_alias("tiny-q", "champion")
+    assert version.tags["method"] == "gptq"
+
+    from pipelines.registry import resolve_model_path
+
+    os.environ["SALA_HOME"], saved = env["SALA_HOME"], os.environ.get("SALA_HOME")
+    try:
+        resolved = resolve_model_path("models:/tiny-q@champion")
+    finally:
+        os.environ["SALA_HOME"] = saved if saved is not None else os.environ.pop("SALA_HOME")
+    assert weights_sha(resolved) == weights_sha(out)
+
+
+def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path):
+    out = tmp_path / "resumed"
+    args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", *SMALL]
+    first = run_pipeline(env, *args, check=False, extra_env={"SALA_INTERRUPT_AFTER_LAYER": "3"})
+    assert first.returncode != 0 and not out.exists()
+    layers_dir = out.with_name(f".{out.name}.layers")
+    assert len(list(layers_dir.glob("layer_*.json"))) == 4
+    second = run_pipeline(env, *args)
+    assert "reusing 4 finished layer(s) [0, 1, 2, 3]" in second.stdout
+    assert weights_sha(out) == weights_sha(sequential_run[0])
+    assert not layers_dir.exists()
+
+
+def test_parallel_mode_survives_a_killed_worker(env, tiny_sala_dir, tmp_path):
+    common = ["--model", str(tiny_sala_dir), "--mode", "parallel", "--no-register", *SMALL]
+    clean = run_pipeline(env, *common, "--output", str(tmp_path / "clean"))
+    marker = tmp_path / "fault-fired"
+    faulty = run_pipeline(env, *common, "--output", str(tmp_path / "faulty"),
+                          extra_env={"SALA_FAULT_ONCE": f"layer=5,marker={marker}"})
+    assert marker.exists()  # the task for layer 5 really died once
+    assert weights_sha(tmp_path / "faulty") == weights_sha(tmp_path / "clean")
+    assert "gate (KL <= 0.5) passed" in clean.stdout and "gate (KL <= 0.5) passed" in faulty.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "/nonexistent/model"], "no such model directory"),
+        (["--model", "models:/no-such-model@champion"], "not in the model registry"),
+        (["--calibration", "{tmp}/missing.jsonl"], "no such dataset"),
+        (["--calibration", "{tmp}/notext.jsonl"], "no text column"),
+        (["--calibration", "{tmp}/empty.jsonl"], "dataset is empty"),
+        (["--output", "{tmp}"], "exists; pass --overwrite"),
+    ],
+)
+def test_bad_input_fails_fast_with_one_line(env, tiny_sala_dir, tmp_path, args, needle):
+    (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "--model" not in args:
+        args = ["--model", str(tiny_sala_dir), *args]
+    r = run_pipeline(env, *args, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert "quantizing layers" not in r.stderr  # refused before any expensive work
+
+
+def test_unreachable_mlflow_and_ray(env, tiny_sala_dir):
+    r = run_pipeline(env, "--model", str(tiny_sala_dir), check=False,
+                     extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
+    assert r.returncode == 2 and "unreachable" in r.stderr
+    r = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", "/tmp/sala-unused-out", check=False,
+                     extra_env={"RAY_ADDRESS": "127.0.0.1:9"})
+    assert r.returncode == 2 and "cannot reach Ray" in r.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
+    e = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "token")}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray_bin, "get-auth-token", "--generate"], env=e, check=True, capture_output=True)
+    port, dash = _free_port(), _free_port()
+    start = subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                            f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+                            "--disable-usage-stats", f"--temp-dir={tmp_path / 'ray'}"],
+                           env=e, capture_output=True, text=True)
+    assert start.returncode == 0, start.stderr
+    out = tmp_path / "job-out"
+    try:
+        job = subprocess.run(
+            [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", str(ROOT),
+             "--runtime-env-json", json.dumps({"env_vars": {k: e[k] for k in ("SALA_HOME", "MLFLOW_TRACKING_URI")},
+                                               "excludes": [".venv", ".git"]}),
+             "--", "python", "pipelines/quantize.py", "--model", str(tiny_sala_dir), "--output", str(out),
+             "--no-register", "--mode", "parallel", *SMALL],
+            env=e, capture_output=True, text=True, timeout=600)
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=e, capture_output=True)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "succeeded" in (job.stdout + job.stderr)
+    assert (out / "model.safetensors").exists() and (out / "manifest.json").exists()
