@@ -178,20 +178,39 @@ def hessians_parallel(model_dir: Path, seqs: torch.Tensor, shards: int, workers:
     return out
 
 
-def quantize_task(layer_idx: int, weights, hessians, groups, opts: dict):
-    """Ray task body: GPTQ/RTN for one layer (or some of its module groups)."""
+def quantize_task(layer_idx: int, weights, hessians, groups, opts: dict) -> tuple[bytes, dict]:
+    """Ray task body: GPTQ/RTN for one layer (or some of its module groups), returned as
+    safetensors bytes: they carry FP8 scales that pickled torch storages cannot."""
     from sala.quant.layerwise import quantize_layer
-    from sala.quant.nvfp4 import NVFP4Tensor
 
     _maybe_fail(layer_idx)
     _torch_threads()
     if torch.cuda.is_available():
         weights = {k: v.cuda() for k, v in weights.items()}
         hessians = {k: v.cuda() for k, v in (hessians or {}).items()}
-    res = quantize_layer(weights, hessians, groups, layer_name=f"model.layers.{layer_idx}", **opts)
-    # Back to CPU: the driver that assembles the checkpoint may have no GPU.
-    return {m: (NVFP4Tensor(q.codes.cpu(), q.scale.cpu(), q.global_scale.cpu(), q.m4_mask.cpu()), stats)
-            for m, (q, stats) in res.items()}
+    return results_to_bytes(quantize_layer(weights, hessians, groups, layer_name=f"model.layers.{layer_idx}", **opts))
+
+
+def results_to_bytes(results: dict) -> tuple[bytes, dict]:
+    from safetensors.torch import save
+
+    tensors, stats = {}, {}
+    for m, (q, st) in results.items():
+        tensors |= {f"{m}.codes": q.codes, f"{m}.scale": q.scale, f"{m}.global_scale": q.global_scale,
+                    f"{m}.m4_mask": q.m4_mask.to(torch.uint8)}
+        stats[m] = asdict(st) if st is not None else {}
+    return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}), stats
+
+
+def results_from_bytes(blob: bytes, stats: dict) -> dict:
+    from safetensors.torch import load
+
+    from sala.quant.gptq import GPTQStats
+    from sala.quant.nvfp4 import NVFP4Tensor
+
+    t = load(blob)
+    return {m: (NVFP4Tensor(t[f"{m}.codes"], t[f"{m}.scale"], t[f"{m}.global_scale"], t[f"{m}.m4_mask"].bool()),
+                GPTQStats(**st) if st else None) for m, st in stats.items()}
 
 
 def _maybe_fail(layer_idx: int) -> None:
@@ -218,45 +237,24 @@ class LayerStore:
     def _paths(self, idx: int):
         return self.dir / f"layer_{idx:03d}.safetensors", self.dir / f"layer_{idx:03d}.json"
 
-    def save(self, idx: int, results: dict) -> None:
-        from safetensors.torch import save_file
-
-        tensors, stats = {}, {}
-        for m, (q, st) in results.items():
-            tensors |= {f"{m}.codes": q.codes, f"{m}.scale": q.scale, f"{m}.global_scale": q.global_scale,
-                        f"{m}.m4_mask": q.m4_mask.to(torch.uint8)}
-            stats[m] = asdict(st) if st is not None else {"m4_share": q.m4_share}
+    def save(self, idx: int, blob: bytes, stats: dict) -> None:
         st_path, rec_path = self._paths(idx)
-        tmp = st_path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        tmp.rename(st_path)
-        record = {"fingerprint": self.fingerprint, "sha256": _sha256(st_path), "stats": stats}
-        rec_path.with_suffix(".tmp").write_text(json.dumps(record))
-        rec_path.with_suffix(".tmp").rename(rec_path)
+        for path, data in ((st_path, blob), (rec_path, json.dumps({"fingerprint": self.fingerprint, "stats": stats,
+                                                                   "sha256": hashlib.sha256(blob).hexdigest()}).encode())):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            tmp.rename(path)
 
-    def load(self, idx: int):
-        """The layer's results if a finished, verified, same-options file exists, else None."""
-        from safetensors.torch import load_file
-
-        from sala.quant.gptq import GPTQStats
-        from sala.quant.nvfp4 import NVFP4Tensor
-
+    def load(self, idx: int) -> tuple[bytes, dict] | None:
+        """The layer's (blob, stats) if a finished, verified, same-options file exists, else None."""
         st_path, rec_path = self._paths(idx)
         if not (st_path.exists() and rec_path.exists()):
             return None
         record = json.loads(rec_path.read_text())
-        if record["fingerprint"] != self.fingerprint or record["sha256"] != _sha256(st_path):
+        blob = st_path.read_bytes()
+        if record["fingerprint"] != self.fingerprint or record["sha256"] != hashlib.sha256(blob).hexdigest():
             return None
-        t = load_file(str(st_path))
-        out = {}
-        for m, st in record["stats"].items():
-            q = NVFP4Tensor(t[f"{m}.codes"], t[f"{m}.scale"], t[f"{m}.global_scale"], t[f"{m}.m4_mask"].bool())
-            out[m] = (q, GPTQStats(**st) if "seconds" in st else None)
-        return out
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+        return blob, record["stats"]
 
 
 # --------------------------------------------------------------------------------- stages
@@ -276,14 +274,15 @@ def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: La
     for i in range(len(layers)):
         finished = store.load(i)
         if finished is not None:
-            results[i] = finished
+            results[i] = results_from_bytes(*finished)
     reused = sorted(results)
     if reused:
         print(f"resuming: reusing {len(reused)} finished layer(s) {reused}", flush=True)
     bar = tqdm(total=len(layers), initial=len(reused), desc="quantizing layers", file=sys.stderr)
 
-    def finish(idx, res):
-        store.save(idx, res)
+    def finish(idx, blob, stats):
+        store.save(idx, blob, stats)
+        res = results_from_bytes(blob, stats)
         results[idx] = res
         log_layer(idx, res)
         bar.update(1)
@@ -300,7 +299,7 @@ def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: La
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             idx = pending.pop(done[0])
-            finish(idx, _get(done[0], idx))
+            finish(idx, *_get(done[0], idx))
     else:
         # Layer by layer: this layer's Hessians come from inputs that already went through the
         # quantized layers before it, so GPTQ corrects the error those layers introduced.
@@ -318,10 +317,11 @@ def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: La
                 # Module groups of one layer are independent given the layer's inputs: run them at once.
                 refs = [task.remote(i, {m: weights[m] for m in g}, {site: hess[site]}, {site: [g]}, opts)
                         for site, gs in groups.items() for g in gs]
-                res = {}
+                # One file per layer: merge the groups' safetensors into one blob.
+                merged = {}
                 for ref in refs:
-                    res.update(_get(ref, i))
-                finish(i, res)
+                    merged.update(results_from_bytes(*_get(ref, i)))
+                finish(i, *results_to_bytes(merged))
             apply_quantized(layer, {m: q for m, (q, _) in results[i].items()})
             with torch.no_grad():
                 h = layer(h, positions, None, None, seqs.shape[1])

@@ -89,9 +89,9 @@ def documents() -> list[tuple[str, str]]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # e.g. typing.re, reached by dir()
                 obj = getattr(mod, attr)
-            if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-                continue
-            doc = inspect.getdoc(obj)
+                if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                    continue
+                doc = inspect.getdoc(obj)
             if doc:
                 parts.append(f"{attr}\n{doc}")
         docs.append((f"module:{name}", "\n\n".join(p for p in parts if p)))

@@ -16,8 +16,8 @@ class NVFP4Linear(nn.Module):
     tensors load straight into it.
 
     ``cache_dequantized`` keeps an fp32 copy of W after the first CPU call and reuses it: it
-    trades 8 bytes per weight for skipping the per-call dequantization. It never applies on
-    CUDA, where the kernel reads the packed weight directly.
+    trades 4 bytes per weight (the packed form needs 0.56) for skipping the per-call
+    dequantization. It never applies on CUDA, where the kernel reads the packed weight.
     """
 
     def __init__(
