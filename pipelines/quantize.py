@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout 
 
 import torch  # noqa: E402
 
-from pipelines.raycluster import RayUnavailable, init_ray  # noqa: E402
+from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
 from pipelines.registry import ModelSpecError, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
 from pipelines.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, load_model, read_config  # noqa: E402
@@ -263,7 +263,7 @@ def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: La
     import ray
     from tqdm import tqdm
 
-    from sala.quant.layerwise import apply_quantized, collect_hessians, layer_groups, layer_weights
+    from sala.quant.layerwise import layer_groups, layer_weights, quantize_sequential
 
     opts = {"method": args.method, "scale_rule": args.scale_rule, "act_order": args.act_order, "damp": args.damp}
     gpus = ray.cluster_resources().get("GPU", 0)
@@ -280,9 +280,8 @@ def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: La
         print(f"resuming: reusing {len(reused)} finished layer(s) {reused}", flush=True)
     bar = tqdm(total=len(layers), initial=len(reused), desc="quantizing layers", file=sys.stderr)
 
-    def finish(idx, blob, stats):
-        store.save(idx, blob, stats)
-        res = results_from_bytes(blob, stats)
+    def finish(idx, res):
+        store.save(idx, *results_to_bytes(res))
         results[idx] = res
         log_layer(idx, res)
         bar.update(1)
@@ -299,32 +298,18 @@ def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: La
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             idx = pending.pop(done[0])
-            finish(idx, *_get(done[0], idx))
+            finish(idx, results_from_bytes(*_get(done[0], idx)))
     else:
-        # Layer by layer: this layer's Hessians come from inputs that already went through the
-        # quantized layers before it, so GPTQ corrects the error those layers introduced.
-        h = model.model.embed_tokens(seqs) * model.config.scale_emb
-        positions = torch.arange(seqs.shape[1]).expand(seqs.shape[0], -1)
-        for i, layer in enumerate(layers):
-            if i not in results:
-                accs, handles = collect_hessians({i: layer})
-                with torch.no_grad():
-                    layer(h, positions, None, None, seqs.shape[1])
-                for hd in handles:
-                    hd.remove()
-                hess = {site: acc.hessian(f"layer {i} {site}") for (_, site), acc in accs.items()}
-                weights, groups = layer_weights(layer), layer_groups(layer)
-                # Module groups of one layer are independent given the layer's inputs: run them at once.
-                refs = [task.remote(i, {m: weights[m] for m in g}, {site: hess[site]}, {site: [g]}, opts)
-                        for site, gs in groups.items() for g in gs]
-                # One file per layer: merge the groups' safetensors into one blob.
-                merged = {}
-                for ref in refs:
-                    merged.update(results_from_bytes(*_get(ref, i)))
-                finish(i, *results_to_bytes(merged))
-            apply_quantized(layer, {m: q for m, (q, _) in results[i].items()})
-            with torch.no_grad():
-                h = layer(h, positions, None, None, seqs.shape[1])
+        def quantize_groups(i, weights, hessians, groups):
+            # Module groups of one layer are independent given its inputs: one task each, at once.
+            refs = [task.remote(i, {m: weights[m] for m in g}, {site: hessians[site]}, {site: [g]}, opts)
+                    for site, gs in groups.items() for g in gs]
+            merged = {}
+            for ref in refs:
+                merged.update(results_from_bytes(*_get(ref, i)))
+            return merged
+
+        quantize_sequential(model, seqs, quantize_groups, results, finish)
     bar.close()
     return results
 
@@ -434,6 +419,8 @@ def run(args) -> int:
     t_start = time.time()
     # Everything cheap that can fail is checked before any model is loaded or Ray is started.
     check_reachable(tracking_uri())
+    if os.environ.get("RAY_ADDRESS"):
+        check_address(os.environ["RAY_ADDRESS"])
     model_dir = resolve_model_path(args.model)
     config = read_config(model_dir)
     name = model_name(args.model, model_dir)

@@ -3,10 +3,25 @@ local Ray sized for this machine. Fails fast, with the address in the message.""
 from __future__ import annotations
 
 import os
+import socket
+from urllib.parse import urlparse
 
 
 class RayUnavailable(RuntimeError):
     pass
+
+
+def check_address(address: str, timeout: float = 5.0) -> None:
+    """A TCP connect to the GCS first: ray.init retries an unreachable address for minutes."""
+    if address == "auto":
+        return
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    if not parsed.hostname or not parsed.port:
+        raise RayUnavailable(f"RAY_ADDRESS={address!r} is not host:port")
+    try:
+        socket.create_connection((parsed.hostname, parsed.port), timeout=timeout).close()
+    except OSError as e:
+        raise RayUnavailable(f"cannot reach Ray at RAY_ADDRESS={address!r}: {e}") from e
 
 
 def init_ray(num_cpus: int | None = None, object_store_mb: int = 512) -> dict:
@@ -16,6 +31,8 @@ def init_ray(num_cpus: int | None = None, object_store_mb: int = 512) -> dict:
     if ray.is_initialized():
         return ray.cluster_resources()
     address = os.environ.get("RAY_ADDRESS")
+    if address:
+        check_address(address)
     try:
         if address:
             ray.init(address=address, log_to_driver=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from sala.tiny import ensure_tiny_sala, sala_home
 
 PYFUNC_CODE = Path(__file__).with_name("sala_pyfunc.py")
@@ -81,8 +83,10 @@ def resolve_model_path(spec: str | None) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=tmp))
+                mlmodel = yaml.safe_load((local / "MLmodel").read_text())
+                checkpoint = local / mlmodel["flavors"]["python_function"]["artifacts"]["checkpoint"]["path"]
                 try:
-                    (local / "artifacts" / "checkpoint").rename(target)
+                    checkpoint.rename(target)
                 except OSError:
                     if not target.exists():  # not a concurrent download that finished first
                         raise

@@ -73,6 +73,12 @@ def test_kernel_strided_activations_and_no_bias():
     assert ((y - exact).abs() <= fp32_rounding_bound(x, q.dequantize())).all()
 
 
+def test_kernel_rejects_mismatched_shapes():
+    _, packed, scale, g = quantized_weight(32, 64, seed=7)
+    with pytest.raises(ValueError, match="do not match packed weight"):
+        nvfp4_matmul_triton(torch.randn(2, 48), packed, scale, g)
+
+
 def test_reference_dequantizes_like_compressed_tensors_and_multiplies_exactly():
     q, packed, scale, g = quantized_weight(32, 96, seed=1, scale_rule="4over6")
     w = nvfp4_dequantize_reference(packed, scale, g)

@@ -28,7 +28,7 @@ from sala.engine.detokenizer import IncrementalDetokenizer
 from sala.engine.params import InvalidParam, SamplingParams
 from sala.engine.request import Completion, Request, RequestOutput, TokenLogprob
 from sala.engine.runner import ModelRunner
-from sala.engine.sampling import sample
+from sala.engine.sampling import sample, token_logprobs
 from sala.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,14 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device: 
 
 class Engine:
     def __init__(self, model, tokenizer, *, memory_bytes: int = 256 << 20, max_seqs: int = 32,
-                 max_batch_tokens: int = 512, max_waiting: int = 256, page_size: int = 64, min_rows: int = 8,
+                 max_batch_tokens: int = 512, max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = True,
                  kv_dtypes: dict[int, torch.dtype] | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         param = next(model.parameters())
         self.cache = CachePool(self.config, memory_bytes, max_seqs, page_size, param.dtype, kv_dtypes, param.device)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, max_seqs, max_waiting)
-        self.runner = ModelRunner(model, self.cache, min_rows)
+        self.runner = ModelRunner(model, self.cache, batch_invariant)
         eos = self.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.max_model_len = self.config.max_position_embeddings
@@ -109,14 +109,24 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.num_tokens:
             return
-        reqs, logits = self.runner.run(sched)
+        step, logits = self.runner.run(sched)
         for r in sched.decodes:
             r.num_computed += 1
         for r, _, end in sched.prefills:
             r.num_computed = end
-        tokens, logprobs = sample(logits, reqs)
-        for r, token, lp in zip(reqs, tokens, logprobs):
-            self._append(r, token, lp)
+        n = len(step.sampled)
+        if step.prompt_targets:
+            scored = token_logprobs(logits[n:], [t for _, t in step.prompt_targets],
+                                    [r.params.logprobs or 0 for r, _ in step.prompt_targets])
+            for (r, _), lp in zip(step.prompt_targets, scored):
+                r.prompt_logprobs.append(lp)
+        reqs = step.sampled
+        tokens = sample(logits[:n], reqs)
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        scored = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])
+        logprobs = dict(zip(want, scored))
+        for i, (r, token) in enumerate(zip(reqs, tokens)):
+            self._append(r, token, logprobs.get(i))
 
     def _append(self, r: Request, token: int, lp: TokenLogprob | None) -> None:
         r.output_ids.append(token)
@@ -136,8 +146,10 @@ class Engine:
         if reason:
             r.finish_reason = reason
             self.scheduler.finish(r)
+        first = len(r.output_ids) == 1 and bool(tokens)
         r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],
-                                  reason is not None, reason, len(r.prompt_ids), len(r.output_ids)))
+                                  r.prompt_logprobs if first else [], reason is not None, reason,
+                                  len(r.prompt_ids), len(r.output_ids)))
 
     def fail_all(self) -> list[Request]:
         """After a step raised: drop every request (their cache contents are not trustworthy)."""
@@ -161,13 +173,14 @@ class Engine:
 
 
 class AsyncEngine:
-    """Engine.step in a background thread; requests are async iterators of RequestOutput."""
+    """Engine.step in a background thread. `submit` queues a request at once (so bad input and a
+    full queue raise before any response starts); its RequestStream yields the outputs."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.wakeup = threading.Event()
         self.stopping = False
-        self.failures: dict[str, Callable[[BaseException], None]] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.thread = threading.Thread(target=self._loop, name="sala-engine", daemon=True)
         self.thread.start()
 
@@ -179,38 +192,57 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.step()
-            except Exception as e:  # a bug or OOM must not hang every waiting client
+            except Exception as e:  # a bug or OOM must not leave every client waiting forever
                 log.exception("engine step failed; failing all requests")
                 for r in self.engine.fail_all():
-                    self.failures.pop(r.request_id, lambda e: None)(e)
+                    if stream := self.streams.get(r.request_id):
+                        stream.push(e)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        req = self.engine.add_request(prompt, params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), request_id)
-        self.failures[req.request_id] = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Call from the event loop that will read the stream."""
+        stream = RequestStream(self, asyncio.get_running_loop())
+        stream.request = self.engine.add_request(prompt, params, stream.push, request_id)
+        self.streams[stream.request.request_id] = stream
         self.wakeup.set()
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise RuntimeError(f"engine failure: {out}") from out
-                finished = out.finished
-                yield out
-        finally:
-            self.failures.pop(req.request_id, None)
-            if not finished:
-                self.engine.cancel(req)
-                self.wakeup.set()
-
-    def num_waiting(self) -> int:
-        return self.engine.scheduler.num_waiting
-
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return stream
 
     def close(self) -> None:
         self.stopping = True
         self.wakeup.set()
         self.thread.join(timeout=10)
+
+
+class RequestStream:
+    """One request's outputs, handed from the step thread to an event loop."""
+
+    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop):
+        self.owner, self.loop = owner, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request: Request | None = None
+        self.finished = False
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Outputs until the request finishes; leaving early cancels it and frees its cache."""
+        try:
+            while not self.finished:
+                out = await self.queue.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"engine failure: {out}") from out
+                self.finished = out.finished
+                yield out
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        self.owner.streams.pop(self.request.request_id, None)
+        if not self.finished:
+            self.finished = True
+            self.owner.engine.cancel(self.request)
+            self.owner.wakeup.set()

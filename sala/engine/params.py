@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus k alternatives
+    prompt_logprobs_start: int | None = None  # logprobs (with `logprobs` alternatives) of prompt tokens from here on
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +47,8 @@ class SamplingParams:
             raise InvalidParam("top_k", f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParam("logprobs", f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        if self.prompt_logprobs_start is not None and self.prompt_logprobs_start < 0:
+            raise InvalidParam("prompt_logprobs_start", f"prompt_logprobs_start must be >= 0, got {self.prompt_logprobs_start!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParam("stop", "stop must be a list of non-empty strings")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]

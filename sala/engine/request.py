@@ -29,6 +29,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]  # with the first token, when asked for
     finished: bool
     finish_reason: str | None  # "stop" (eos, stop token or string), "length", "cancelled"
     num_prompt_tokens: int
@@ -44,6 +45,7 @@ class Completion:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]
     finish_reason: str
     time_to_first_token_s: float
     latency_s: float
@@ -63,6 +65,7 @@ class Request:
     state_slot: int = -1
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
     finish_reason: str | None = None
     cancelled: bool = False
     arrival: float = field(default_factory=time.perf_counter)
@@ -85,4 +88,4 @@ class Request:
         now = time.perf_counter()
         first = self.first_token_at or now
         return Completion(self.request_id, self.prompt_ids, self.output_ids, self.detokenizer.text, self.logprobs,
-                          self.finish_reason, first - self.arrival, now - self.arrival)
+                          self.prompt_logprobs, self.finish_reason, first - self.arrival, now - self.arrival)

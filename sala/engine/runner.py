@@ -6,10 +6,17 @@ the state (lightning layers) together as a batch, each prompt chunk on its own a
 request's cached K/V or state. Layer math comes from the model's own `project`, `attend` and
 `finish`; this file only decides where K/V and states come from and go to.
 
-Batch invariance: MKL runs matmuls with fewer than 8 rows through a different kernel whose
-sums round differently, so a request's logits would depend on how many others share its step.
-Padding every matmul to at least `min_rows` rows keeps each row on the same kernel whatever
-the batch, as it is in the model's own full forward over a prompt.
+Batch invariance (engine.md, Determinism), on by default: a request's logits must not depend
+on what else shares its step. Two reductions would make them depend on it on CPU: MKL computes
+a matmul's rows in blocks of 4 and, in small matmuls, the rows left over after the last full
+block through a kernel whose sums round differently; and attention
+over keys padded to the batch's longest context sums in a different order than over the
+request's own keys. So every matmul is padded to a multiple of 8 rows, and decode attention runs
+per request on its exact context. `batch_invariant=False` batches decode attention over padded
+keys instead (tests/test_engine.py prints the logprob difference this makes). Padding to a
+multiple of 8 rows also covers CPUs whose GEMM kernels work on 8-row blocks. Where a prompt
+is split into chunks depends on the token budget and the load, so exactness holds for prompts
+prefilled in one step (chunk boundaries move rounding, not results beyond it).
 """
 from __future__ import annotations
 
@@ -31,55 +38,74 @@ class StepInputs:
     positions: torch.Tensor  # [1, rows]
     n_real: int
     write_slots: torch.Tensor  # [n_real] KV-pool row of each real token
-    decode_kv_slots: torch.Tensor  # [n_decode, longest context]
-    decode_kv_mask: torch.Tensor  # [n_decode, 1, 1, longest context]
+    decode_kv_slots: torch.Tensor | None  # [n_decode, longest context], when decode attention is batched
+    decode_kv_mask: torch.Tensor | None  # [n_decode, 1, 1, longest context]
     decode_state_slots: torch.Tensor  # [n_decode]
     spans: list[tuple[Request, int, int, int]]  # prompt chunks: (request, first row, end row, first position)
-    sample_rows: list[int]  # rows whose next-token logits are needed
+    decode_spans: list[tuple[Request, int, int, int]]  # decode rows as one-token spans, when attended per request
+    sample_rows: list[int]  # rows whose next-token logits are sampled from
     sampled: list[Request]  # the request of each sample row
+    prompt_rows: list[int]  # rows whose logits score the next prompt token (prompt logprobs)
+    prompt_targets: list[tuple[Request, int]]  # (request, that next prompt token) of each prompt row
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CachePool, min_rows: int = 8):
-        self.model, self.cache, self.min_rows = model, cache, min_rows
+    def __init__(self, model, cache: CachePool, batch_invariant: bool = True):
+        self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
+        self.row_multiple = 8 if batch_invariant else 1
         self.device = cache.device
+
+    def _padding(self, rows: int) -> int:
+        return -rows % self.row_multiple
 
     def prepare(self, sched: Schedule) -> StepInputs:
         dec = sched.decodes
         ids = [r.output_ids[-1] for r in dec]
         pos = [r.num_computed for r in dec]
         slots = [r.slots[r.num_computed : r.num_computed + 1] for r in dec]
-        spans, sample_rows, sampled = [], list(range(len(dec))), list(dec)
+        spans, sample_rows, sampled, prompt_rows, prompt_targets = [], list(range(len(dec))), list(dec), [], []
         row = len(dec)
         for r, start, end in sched.prefills:
             ids += r.prompt_ids[start:end]
             pos += range(start, end)
             slots.append(r.slots[start:end])
             spans.append((r, row, row + end - start, start))
+            if r.params.prompt_logprobs_start is not None:
+                # position p's logits score prompt token p + 1
+                first = max(start, r.params.prompt_logprobs_start - 1)
+                for p in range(first, min(end, len(r.prompt_ids) - 1)):
+                    prompt_rows.append(row + p - start)
+                    prompt_targets.append((r, r.prompt_ids[p + 1]))
             row += end - start
             if end == len(r.prompt_ids):
                 sample_rows.append(row - 1)
                 sampled.append(r)
-        pad = max(0, self.min_rows - row)
-        lengths = torch.tensor([p + 1 for p in pos[: len(dec)]], device=self.device)
-        kv_slots = pad_sequence([r.slots[: r.num_computed + 1] for r in dec], batch_first=True) if dec else None
+        pad = self._padding(row)
+        kv_slots = kv_mask = None
+        if dec and not self.batch_invariant:
+            lengths = torch.tensor([p + 1 for p in pos[: len(dec)]], device=self.device)
+            kv_slots = pad_sequence([r.slots[: r.num_computed + 1] for r in dec], batch_first=True)
+            kv_mask = (torch.arange(kv_slots.shape[1], device=self.device) < lengths[:, None])[:, None, None]
         return StepInputs(
             input_ids=torch.tensor(ids + [0] * pad, device=self.device),
             positions=torch.tensor(pos + [0] * pad, device=self.device)[None],
             n_real=row,
             write_slots=torch.cat(slots),
             decode_kv_slots=kv_slots,
-            decode_kv_mask=None if kv_slots is None else
-            (torch.arange(kv_slots.shape[1], device=self.device) < lengths[:, None])[:, None, None],
+            decode_kv_mask=kv_mask,
             decode_state_slots=torch.tensor([r.state_slot for r in dec], device=self.device),
             spans=spans,
+            decode_spans=[] if kv_slots is not None else [(r, i, i + 1, r.num_computed) for i, r in enumerate(dec)],
             sample_rows=sample_rows,
             sampled=sampled,
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets,
         )
 
     @torch.inference_mode()
-    def run(self, sched: Schedule) -> tuple[list[Request], torch.Tensor]:
-        """Advance the cache by the scheduled tokens; returns (requests to sample, fp32 logits)."""
+    def run(self, sched: Schedule) -> tuple[StepInputs, torch.Tensor]:
+        """Advance the cache by the scheduled tokens; returns the step and fp32 logits of its
+        sample rows followed by its prompt rows."""
         step = self.prepare(sched)
         m = self.model.model
         h = m.embed_tokens(step.input_ids)[None] * self.model.config.scale_emb
@@ -88,9 +114,9 @@ class ModelRunner:
             mix = self._lightning if layer.is_lightning else self._sparse
             h = h + mix(layer.self_attn, i, x, step) * layer.residual_scale
             h = h + layer.mlp(layer.post_attention_layernorm(h)) * layer.residual_scale
-        n = len(step.sample_rows)
-        rows = step.sample_rows + [0] * max(0, self.min_rows - n)
-        return step.sampled, self.model.logits(m.norm(h[0, rows]))[:n]
+        rows = step.sample_rows + step.prompt_rows
+        n = len(rows)
+        return step, self.model.logits(m.norm(h[0, rows + [0] * self._padding(n)]))[:n]
 
     def _sparse(self, attn, i: int, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         q, k, v = attn.project(x, step.positions)  # q [1, Hq, rows, D]; k, v [1, Hkv, rows, D]
@@ -98,11 +124,11 @@ class ModelRunner:
         self.cache.write_kv(i, step.write_slots, k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1))
         out = q.new_zeros(q.shape[2], q.shape[1], q.shape[3])  # [rows, Hq, D]
         gqa = attn.n_heads != attn.n_kv
-        if d:
+        if step.decode_kv_slots is not None:
             kd, vd = self.cache.read_kv(i, step.decode_kv_slots)
             qd = q[0, :, :d].transpose(0, 1)[:, :, None]
             out[:d] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=step.decode_kv_mask, enable_gqa=gqa)[:, :, 0]
-        for r, a, b, past in step.spans:
+        for r, a, b, past in step.decode_spans + step.spans:
             kp, vp = self.cache.read_kv(i, r.slots[None, : past + b - a])
             mask = causal_mask(b - a, past + b - a, past, None, x.device)
             o = F.scaled_dot_product_attention(q[:, :, a:b], kp, vp, attn_mask=mask, enable_gqa=gqa)

@@ -28,20 +28,22 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits [n, V] fp32, one row per request -> (token ids, logprobs or None per request)."""
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits [n, V] fp32, one row per request -> the next token of each."""
     tokens = logits.argmax(-1).tolist()
     for i, r in enumerate(requests):
         if not r.params.greedy:
             tokens[i] = int(torch.multinomial(filtered_probs(logits[i], r.params), 1, generator=r.generator))
-    want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    logprobs: list[TokenLogprob | None] = [None] * len(requests)
-    if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
-        k = max(requests[i].params.logprobs for i in want)
-        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-        for row, i in enumerate(want):
-            n = requests[i].params.logprobs
-            top = list(zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist()))
-            logprobs[i] = TokenLogprob(tokens[i], lp[row, tokens[i]].item(), top)
-    return tokens, logprobs
+    return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_k: list[int]) -> list[TokenLogprob]:
+    """Row i: the logprob of tokens[i] under log_softmax(logits[i]) and the top_k[i] most likely."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits, dim=-1)
+    k = max(top_k)
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    return [TokenLogprob(t, c, list(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist())))
+            for i, (t, c, n) in enumerate(zip(tokens, chosen, top_k))]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from sala.checkpoint import (
     CheckpointError, atomic_directory, check_state_dict, load_state_dict, read_config, save_state_dict, write_manifest,
 )
 from sala.quant.nvfp4 import NVFP4Tensor
+
+if TYPE_CHECKING:
+    from compressed_tensors.quantization import QuantizationConfig
 
 FORMAT = "nvfp4-pack-quantized"
 TENSOR_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -40,25 +44,38 @@ def quantization_config(ignore: list[str], act_order: bool = False) -> dict:
     return out
 
 
-def check_quantization_config(qc: dict, source: Path) -> None:
-    """Accept exactly the format we can load: NVFP4 weights (4-bit float, groups of 16), no
-    activation quantization. Anything else is named, not half-loaded."""
+def check_quantization_config(qc: dict, source: Path) -> QuantizationConfig:
+    """Accept exactly the format we can load: compressed NVFP4 weights (4-bit float, groups of
+    16 sharing an FP8 scale, one global scale per tensor), no activation or KV-cache
+    quantization, no sparsity. Anything else is named, not half-loaded. Returns the parsed
+    compressed-tensors QuantizationConfig."""
     from compressed_tensors.quantization import QuantizationConfig
 
     if qc.get("quant_method") != "compressed-tensors":
         raise CheckpointError(f"{source}: quant_method {qc.get('quant_method')!r} is not supported (need compressed-tensors)")
     if qc.get("format") != FORMAT:
         raise CheckpointError(f"{source}: quantization format {qc.get('format')!r} is not supported (need {FORMAT!r})")
+    if qc.get("sparsity_config"):
+        raise CheckpointError(f"{source}: sparse checkpoints (sparsity_config) are not supported")
     try:
         parsed = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
     except ValueError as e:
         raise CheckpointError(f"{source}: invalid quantization_config ({e})") from e
+    if parsed.quantization_status != "compressed":
+        raise CheckpointError(f"{source}: quantization_status {parsed.quantization_status!r}; only packed "
+                              "('compressed') weights are supported")
+    if parsed.kv_cache_scheme is not None:
+        raise CheckpointError(f"{source}: KV-cache quantization (kv_cache_scheme) is not supported")
     for name, scheme in parsed.config_groups.items():
         w = scheme.weights
-        if w is None or (w.num_bits, w.type, w.group_size) != (4, "float", 16):
-            raise CheckpointError(f"{source}: config group {name} is not NVFP4 weights (num_bits 4, float, group 16)")
-        if scheme.input_activations is not None:
+        if scheme.format not in (None, FORMAT):
+            raise CheckpointError(f"{source}: config group {name} has format {scheme.format!r}, not {FORMAT!r}")
+        if w is None or (w.num_bits, w.type, w.group_size, w.strategy, w.symmetric) != (4, "float", 16, "tensor_group", True):
+            raise CheckpointError(f"{source}: config group {name} is not NVFP4 weights "
+                                  "(num_bits 4, float, symmetric, tensor_group, group 16)")
+        if scheme.input_activations is not None or scheme.output_activations is not None:
             raise CheckpointError(f"{source}: config group {name} quantizes activations (W4A4); only W4A16 is supported")
+    return parsed
 
 
 def export_checkpoint(
@@ -75,20 +92,27 @@ def export_checkpoint(
     metrics: dict | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> Path:
-    """Write `model` with the Linears named in `quantized` (full module names) as packed NVFP4."""
+    """Write `model` with the Linears named in `quantized` (full module names) as packed NVFP4;
+    every other Linear (lm_head) goes to the ignore list and stays BF16."""
+    modules = dict(model.named_modules())
+    if not quantized:
+        raise ValueError("no quantized modules to export")
+    for name, q in quantized.items():
+        if not isinstance(modules.get(name), nn.Linear):
+            raise ValueError(f"{name}: not a Linear of this model")
+        if q.codes.shape != modules[name].weight.shape:
+            raise ValueError(f"{name}: quantized shape {tuple(q.codes.shape)} != weight shape "
+                             f"{tuple(modules[name].weight.shape)}")
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     for name, q in quantized.items():
-        if f"{name}.weight" not in state:
-            raise KeyError(f"{name}: not a Linear of this model")
         del state[f"{name}.weight"]
         state[f"{name}.weight_packed"] = q.packed()
         state[f"{name}.weight_scale"] = q.scale
         state[f"{name}.weight_global_scale"] = q.global_scale.reshape(1).float()
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    ignore = sorted(n for n in linears if n not in quantized)
+    ignore = sorted(n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized)
     config = model.config.to_dict()
     config["quantization_config"] = quantization_config(ignore, act_order)
-    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    config["dtype"] = "bfloat16"
     target = Path(target)
     with atomic_directory(target, overwrite=overwrite) as tmp:
         type(model.config).from_dict(config).save_pretrained(tmp)
@@ -98,7 +122,7 @@ def export_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_manifest(tmp, {"name": "sala.quant", "format": FORMAT, "scale_rule": scale_rule, "method": method,
-                             **(producer or {})}, metrics)
+                             "act_order": act_order, **(producer or {})}, metrics)
     return target.absolute()
 
 
@@ -106,28 +130,38 @@ def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = No
                          verify: bool = True, packed: bool = True):
     """Load an NVFP4 checkpoint: quantized Linears become NVFP4Linear (packed weights on the
     W4A16 path), or, with packed=False, ordinary Linears holding the dequantized weights."""
+    from compressed_tensors.utils import match_named_modules
+
     from sala.model import SALAForCausalLM
     from sala.quant.linear import NVFP4Linear
     from sala.quant.nvfp4 import dequantize, unpack_fp4
 
     path = Path(path)
     config = read_config(path)
-    check_quantization_config(config.quantization_config, path / "config.json")
+    parsed = check_quantization_config(config.quantization_config, path / "config.json")
     state = load_state_dict(path, verify=verify)
     dtype = dtype or torch.bfloat16
     with torch.device("meta"):
         model = SALAForCausalLM(config)
+    # The modules the config declares quantized (targets minus ignore, matched as
+    # compressed-tensors and vLLM match them) must be exactly those with packed tensors.
+    declared = {n for scheme in parsed.config_groups.values()
+                for n, _ in match_named_modules(model, scheme.targets, parsed.ignore)}
     names = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")})
+    mismatched = sorted(declared.symmetric_difference(names))
+    if mismatched:
+        name = mismatched[0]
+        which = "has no weight_packed" if name in declared else "has weight_packed but is not a target"
+        raise CheckpointError(f"{path}: {name} {which} of quantization_config (targets minus ignore)")
     for name in names:
         missing = [s for s in TENSOR_SUFFIXES if f"{name}.{s}" not in state]
         if missing:
             raise CheckpointError(f"{path}: {name} has weight_packed but no {missing[0]}")
-        parent, _, child = name.rpartition(".")
-        try:
-            old = model.get_submodule(name)
-        except AttributeError as e:
-            raise CheckpointError(f"{path}: unexpected tensor {name}.weight_packed (no such module)") from e
+        old = model.get_submodule(name)
+        if not isinstance(old, nn.Linear):
+            raise CheckpointError(f"{path}: {name} is packed but is a {type(old).__name__}, not a Linear")
         if packed:
+            parent, _, child = name.rpartition(".")
             model.get_submodule(parent).register_module(child, NVFP4Linear(old.in_features, old.out_features, device="meta"))
         else:
             p = state.pop(f"{name}.weight_packed")

@@ -116,3 +116,32 @@ def apply_quantized(layer: nn.Module, results: dict[str, NVFP4Tensor], packed: b
             setattr(parent, child, NVFP4Linear.from_quantized(q).to(old.weight.device))
         else:
             old.weight.data = q.dequantize(old.weight.dtype).to(old.weight.device)
+
+
+def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[int, dict] | None = None, on_layer=None) -> dict[int, dict]:
+    """Layer by layer: each layer's Hessians come from inputs that already went through the
+    quantized layers before it, so GPTQ corrects the error those layers introduced.
+
+    quantize_fn(layer_idx, weights, hessians, groups) returns {module: (NVFP4Tensor, stats)}:
+    run in-process by `python -m sala.quant`, as Ray tasks by the pipeline. Layers already in
+    `finished` are not quantized again, only applied. on_layer(idx, results) runs after each
+    newly quantized layer (progress, checkpointing of partial results).
+    """
+    results = dict(finished or {})
+    h = model.model.embed_tokens(seqs) * model.config.scale_emb
+    positions = torch.arange(seqs.shape[1]).expand(seqs.shape[0], -1)
+    for i, layer in enumerate(model.model.layers):
+        if i not in results:
+            accs, handles = collect_hessians({i: layer})
+            with torch.no_grad():
+                layer(h, positions, None, None, seqs.shape[1])
+            for hd in handles:
+                hd.remove()
+            hessians = {site: acc.hessian(f"model.layers.{i} {site}") for (_, site), acc in accs.items()}
+            results[i] = quantize_fn(i, layer_weights(layer), hessians, layer_groups(layer))
+            if on_layer is not None:
+                on_layer(i, results[i])
+        apply_quantized(layer, {m: q for m, (q, _) in results[i].items()})
+        with torch.no_grad():
+            h = layer(h, positions, None, None, seqs.shape[1])
+    return results

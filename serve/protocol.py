@@ -1,0 +1,246 @@
+"""The HTTP protocol: request bodies (OpenAI /v1/completions and /v1/chat/completions,
+SGLang's /generate), their translation into SamplingParams, response shapes and errors.
+
+Errors follow OpenAI: `{"error": {"message", "type", "param", "code"}}`. A body that is not
+JSON is a 400; one that does not match the schema (a missing or mistyped field) a 422; a
+field with an impossible value a 400; both name the field in `param`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sala.engine import InvalidParam, RequestOutput, SamplingParams, TokenLogprob
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def schema_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param = ".".join(str(x) for x in err["loc"]) or None
+    return APIError(422, f"{param}: {err['msg']}" if param else err["msg"], param=param, code=err["type"])
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): -1 or 0 = off
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    ignore_eos: bool = False  # extension
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidParam(name, f"{name} is not supported by this server (only 0)")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.echo or self.suffix is not None or (self.best_of or 1) > 1:
+            field = "echo" if self.echo else "suffix" if self.suffix is not None else "best_of"
+            raise InvalidParam(field, f"{field} is not supported by this server")
+        p = self.prompt
+        out = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not out or any(len(x) == 0 for x in out):
+            raise InvalidParam("prompt", "prompt is empty")
+        return out
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def top_k_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParam("top_logprobs", "top_logprobs requires logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class GenerateSampling(BaseModel):
+    """SGLang's sampling_params; unknown keys are an error (a typo must not silently fall back)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(_Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: GenerateSampling = GenerateSampling()
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidParam("text", "give exactly one of text or input_ids")
+        p = self.text if self.text is not None else self.input_ids
+        out = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not out or any(len(x) == 0 for x in out):
+            raise InvalidParam("text" if self.text is not None else "input_ids", "prompt is empty")
+        return out
+
+    def sampling(self) -> SamplingParams:
+        s = self.sampling_params
+        if not self.return_logprob and (self.top_logprobs_num or self.logprob_start_len >= 0):
+            raise InvalidParam("return_logprob", "top_logprobs_num and logprob_start_len need return_logprob: true")
+        return SamplingParams(
+            max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
+            seed=s.sampling_seed, stop=[s.stop] if isinstance(s.stop, str) else list(s.stop or []),
+            stop_token_ids=list(s.stop_token_ids or []), ignore_eos=s.ignore_eos,
+            logprobs=self.top_logprobs_num if self.return_logprob else None,
+            prompt_logprobs_start=self.logprob_start_len if self.return_logprob and self.logprob_start_len >= 0 else None,
+        )
+
+
+# Where each SamplingParams field lives in each endpoint's body, for error messages.
+PARAM_NAMES = {
+    "chat": {"logprobs": "top_logprobs"},
+    "generate": {"max_tokens": "sampling_params.max_new_tokens", "temperature": "sampling_params.temperature",
+                 "top_p": "sampling_params.top_p", "top_k": "sampling_params.top_k", "stop": "sampling_params.stop",
+                 "stop_token_ids": "sampling_params.stop_token_ids", "logprobs": "top_logprobs_num",
+                 "prompt_logprobs_start": "logprob_start_len", "prompt": "text"},
+}
+
+
+@dataclass
+class Choice:
+    """One choice's outputs, accumulated as they arrive."""
+
+    index: int
+    num_prompt_tokens: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.prompt_logprobs += out.prompt_logprobs
+        self.finish_reason = out.finish_reason
+
+
+def usage(choices: list[Choice], prompt_tokens: int) -> dict:
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+class TokenText:
+    """Token id -> its text, as shown in logprobs."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if token_id not in self.cache:
+            self.cache[token_id] = self.tokenizer.decode([token_id])
+        return self.cache[token_id]
+
+
+def completion_logprobs(text_of: TokenText, entries: list[TokenLogprob], offset: int) -> dict:
+    tokens = [text_of(e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(text_of: TokenText, entries: list[TokenLogprob]) -> dict:
+    def one(token_id: int, logprob: float) -> dict:
+        t = text_of(token_id)
+        return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def sglang_logprobs(text_of: TokenText, entries: list[TokenLogprob], with_text: bool) -> tuple[list, list]:
+    """-> (token_logprobs [[logprob, id, text]], top_logprobs [[[logprob, id, text], ...]])."""
+    def one(token_id: int, logprob: float | None) -> list:
+        return [logprob, token_id, text_of(token_id) if with_text else None]
+
+    return [one(e.token_id, e.logprob) for e in entries], [[one(t, lp) for t, lp in e.top] for e in entries]
+
+
+def sglang_finish_reason(c: Choice) -> dict | None:
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    if c.finish_reason == "stop":
+        return {"type": "stop", "matched": c.token_ids[-1] if c.token_ids else None}
+    return {"type": "abort"} if c.finish_reason else None

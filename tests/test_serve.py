@@ -1,0 +1,222 @@
+"""The Serve app on a real local Ray, over real HTTP on 127.0.0.1, with the official openai client.
+
+Expected outputs come from the engine run in this process on the same weights (the engine is
+itself checked against the model's full forward in test_engine.py) and, for logprobs, from the
+full forward directly.
+"""
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from sala.checkpoint import load_model
+from sala.engine import Engine, SamplingParams
+
+API_KEY = "test-key"
+MODEL = "tiny-sala"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_sala_dir):
+    import ray
+    from ray import serve
+
+    from serve.app import build_app
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(str(tiny_sala_dir), served_model_name=MODEL, api_key=API_KEY, num_cpus=0.5, num_threads=1,
+                        max_body_bytes=64 << 10, max_tokens_limit=256), name="sala", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    if started_ray:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def local(tiny_sala_dir):
+    """The same weights in this process: expected outputs."""
+    from transformers import AutoTokenizer
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
+    torch.set_num_threads(n)
+
+
+PROMPT = "The json module"
+
+
+def greedy_text(local, prompt, n):
+    return local.generate([prompt], SamplingParams(max_tokens=n, temperature=0))[0]
+
+
+def test_models_and_health(http, server):
+    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_the_engine(client, local):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    want = greedy_text(local, PROMPT, 12)
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == {"length": "length", "stop": "stop"}[want.finish_reason]
+    assert r.usage.prompt_tokens == len(want.prompt_ids) and r.usage.completion_tokens == len(want.token_ids)
+
+
+def test_chat_matches_the_engine_on_the_chat_template(client, local):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a list?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    text = local.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.choices[0].message.content == greedy_text(local, text, 10).text
+    assert r.choices[0].message.role == "assistant"
+
+
+def test_streaming_completion_and_chat(client, local):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert len(chunks) > 3
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == greedy_text(local, PROMPT, 12).text
+    assert chunks[-1].usage.completion_tokens == 12
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+                                            temperature=0, stream=True)
+    deltas = [c.choices[0].delta.content or "" for c in stream]
+    text = local.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True)
+    assert "".join(deltas) == greedy_text(local, text, 8).text
+
+
+def test_logprobs_equal_full_forward_log_softmax(client, local):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    ids = local.encode(PROMPT)
+    want = greedy_text(local, PROMPT, 6).token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(local.model(torch.tensor([ids + want]), use_cache=False).logits[0], -1)
+    for step, (tok_lp, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs)):
+        row = ref[len(ids) - 1 + step]
+        assert abs(tok_lp - row[want[step]].item()) < 1e-4
+        assert len(top) == 5 and abs(max(top.values()) - row.max().item()) < 1e-4
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+
+
+def test_n_choices_with_seed(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=11)
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in r.choices}) > 1, "choice j is seeded with seed + j"
+    assert 3 <= r.usage.completion_tokens <= 24
+
+
+def test_generate_with_logprobs(http, local):
+    ids = local.encode(PROMPT)
+    r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+                                     "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = greedy_text(local, ids, 5)
+    assert body["output_ids"] == want.token_ids and body["text"] == want.text
+    meta = body["meta_info"]
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 5
+    with torch.no_grad():
+        ref = torch.log_softmax(local.model(torch.tensor([ids + want.token_ids]), use_cache=False).logits[0], -1)
+    inp = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == ids and inp[0][0] is None
+    for pos in range(1, len(ids)):
+        assert abs(inp[pos][0] - ref[pos - 1, ids[pos]].item()) < 1e-4
+    for step, (lp, tok, _) in enumerate(meta["output_token_logprobs"]):
+        assert tok == want.token_ids[step] and abs(lp - ref[len(ids) - 1 + step, tok].item()) < 1e-4
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    text = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}).json()
+    assert text["text"] == greedy_text(local, PROMPT, 5).text
+
+
+BAD_REQUESTS = [
+    # (endpoint, body or raw bytes, headers, status, param)
+    ("/v1/completions", b'{"model": "tiny-sala", "prompt": ', {}, 400, None),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, {}, 404, "model"),
+    ("/v1/completions", {"model": MODEL}, {}, 422, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, {}, 422, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, {}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, {}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, {}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 257}, {}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 5000}, {}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 300}, {}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, {}, 422, "messages"),
+    ("/generate", {"text": "x", "sampling_params": {"max_tokens": 5}}, {}, 422, "sampling_params.max_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, {}, 400, "sampling_params.max_new_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * (70 << 10)}, {}, 413, None),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,headers,status,param", BAD_REQUESTS,
+                         ids=[f"{s}-{p or i}" for i, (_, _, _, s, p) in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_style_errors(http, endpoint, body, headers, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post(endpoint, content=content, headers={"Content-Type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_missing_api_key_is_401(server):
+    r = httpx.get(f"{server}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def metric_samples(server) -> dict:
+    text = httpx.get(f"{server}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_disconnect_mid_stream_frees_the_slot_and_metrics_parse(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            lines = [line for _, line in zip(range(6), r.iter_lines())]
+    assert any(line.startswith("data: ") for line in lines)
+    for _ in range(100):
+        samples = metric_samples(server)
+        if samples[("sala_running_requests", ())] == 0:
+            break
+        time.sleep(0.1)
+    assert samples[("sala_running_requests", ())] == 0
+    assert samples[("sala_queue_depth", ())] == 0
+    assert samples[("sala_requests_total", (("endpoint", "completions"), ("status", "200")))] >= 1
+    assert samples[("sala_generation_tokens_total", ())] > 0
+    assert samples[("sala_time_to_first_token_seconds_count", ())] > 0
+    assert samples[("sala_inter_token_latency_seconds_count", ())] > 0
