@@ -19,7 +19,7 @@ from sala.tiny import ensure_tiny_sala
 
 
 @torch.no_grad()
-def prefill_seconds(model, ids, repeat=2):
+def prefill_seconds(model, ids, repeat=3):
     model(ids[:, :64], use_cache=False)  # warm-up
     best = float("inf")
     for _ in range(repeat):

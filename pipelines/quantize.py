@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-samples", type=int, default=128, help="calibration rows")
     ap.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (tokens)")
     ap.add_argument("--shards", type=int, default=4, help="calibration shards for the Ray Data Hessian pass")
-    ap.add_argument("--workers", type=int, default=None, help="concurrent quantization tasks (default: all CPUs / GPUs)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="local Ray: CPUs to use (default: all); on a cluster: Hessian actors (default: one per GPU)")
     ap.add_argument("--eval-sequences", type=int, default=32, help="held-out sequences for perplexity and KL")
     ap.add_argument("--max-kl", type=float, default=0.05, help="quality gate: the alias moves only if mean KL <= this")
     ap.add_argument("--register-name", help="registered model name (default: <model>-nvfp4)")
@@ -435,7 +436,7 @@ def run(args) -> int:
     print(f"calibration source mix:\n{report.table()}")
     print(f"calibration set: {len(seqs)} sequences x {args.seq_len} tokens, target mix {mix or 'source mix'}")
 
-    resources = init_ray()
+    resources = init_ray(num_cpus=args.workers)
     workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
     setup_mlflow(args.experiment)
     model = load_model(model_dir, dtype=torch.float32)
@@ -505,6 +506,11 @@ def print_summary(rows, quality, gate, args, output, name, version, run_id, seco
     reg = f"{name} v{version}" + (f" @{args.alias}" if gate else " (alias not moved)") if version else "not registered"
     print(f"checkpoint {output}\nregistry   {reg}\nmlflow run {run_id}")
     print(f"time       {seconds:.1f} s total, {quant_seconds:.1f} s quantizing")
+    print(json.dumps({"pipeline": "quantize", "mode": args.mode, "method": args.method, "scale_rule": args.scale_rule,
+                      "ppl_bf16": round(quality["ppl_reference"], 4), "ppl_nvfp4": round(quality["ppl"], 4),
+                      "kl_mean": round(quality["kl_mean"], 6), "top1_agreement": round(quality["top1_agreement"], 4),
+                      "gate_passed": gate, "quantize_seconds": round(quant_seconds, 2), "total_seconds": round(seconds, 2),
+                      "output": str(output), "registered_version": version}))
 
 
 if __name__ == "__main__":

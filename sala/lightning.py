@@ -76,22 +76,38 @@ def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_s
 
     o_i = scale * [ exp(b_i) q_i^T S + sum_{j<=i} exp(b_i - b_j) (q_i . k_j) v_j ]
     S'  = exp(b_{C-1}) S + sum_j exp(b_{C-1} - b_j) k_j v_j^T
+
+    The intra-chunk terms of all chunks are batched matmuls; only the state hand-off from
+    chunk to chunk is a loop (T / C small steps). The sequence is zero-padded to whole chunks:
+    padding adds nothing to outputs, and the final state is taken at the true last token.
     """
-    s = _zero_state(q, v) if state is None else state
-    t_total = q.shape[2]
-    out = []
-    for start in range(0, t_total, chunk_size):
-        qc, kc, vc = (x[:, :, start : start + chunk_size] for x in (q, k, v))
-        c = qc.shape[2]
-        pos = torch.arange(1, c + 1, device=q.device, dtype=q.dtype)
-        b = g.view(-1, 1) * pos  # [H, C]: b_i = (i + 1) g
-        qs = qc * scale
-        attn = (qs @ kc.transpose(-1, -2)) * _intra_chunk_decay(g, c)
-        o = attn @ vc + (qs * torch.exp(b)[None, :, :, None]) @ s
-        out.append(o)
-        # Weight of token j in the state at the chunk's end: exp(b_{C-1} - b_j) = exp(g (C-1-j)).
-        w = torch.exp(g.view(-1, 1) * (c - pos))[None, :, :, None]
-        s = torch.exp(b[:, -1]).view(1, -1, 1, 1) * s + (kc * w).transpose(-1, -2) @ vc
-    if not out:
-        return q.new_zeros(*q.shape[:3], v.shape[-1]), s
-    return torch.cat(out, dim=2), s
+    s0 = _zero_state(q, v) if state is None else state
+    b, h, t_total, dk = q.shape
+    dv = v.shape[-1]
+    if t_total == 0:
+        return q.new_zeros(b, h, 0, dv), s0
+    c = min(chunk_size, t_total)
+    n = -(-t_total // c)
+    pad = n * c - t_total
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    qc = q.view(b, h, n, c, dk) * scale
+    kc = k.view(b, h, n, c, dk)
+    vc = v.view(b, h, n, c, dv)
+    gh = g.view(1, h, 1, 1)
+    pos = torch.arange(1, c + 1, device=q.device, dtype=q.dtype)
+    intra = ((qc @ kc.transpose(-1, -2)) * _intra_chunk_decay(g, c)[None, :, None]) @ vc
+    # Weight of token j in the state at its chunk's end: exp(g (C-1-j)).
+    kv = (kc * torch.exp(gh[..., None] * (c - pos)[:, None])).transpose(-1, -2) @ vc  # [B, H, N, Dk, Dv]
+    chunk_decay = torch.exp(g * c).view(1, h, 1, 1)
+    starts = [s0]
+    for i in range(n - 1):
+        starts.append(chunk_decay * starts[-1] + kv[:, :, i])
+    start_states = torch.stack(starts, dim=2)  # state entering each chunk
+    inter = (qc * torch.exp(gh[..., None] * pos[:, None])) @ start_states
+    out = (intra + inter).reshape(b, h, n * c, dv)[:, :, :t_total]
+    # Final state after the true last token (the last chunk may be shorter than C).
+    last = c - pad
+    w = torch.exp(gh * (last - pos[:last]).view(1, 1, -1, 1))  # [1, H, last, 1]
+    final = torch.exp(g * last).view(1, h, 1, 1) * starts[-1] + (kc[:, :, -1, :last] * w).transpose(-1, -2) @ vc[:, :, -1, :last]
+    return out, final

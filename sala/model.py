@@ -127,8 +127,14 @@ class SparseAttention(nn.Module):
             k, v = cache.append_kv(layer_idx, k, v)
         if k.shape[2] >= self.config.sparse_config["dense_len"]:
             _warn_dense_fallback(k.shape[2], self.config.sparse_config["dense_len"])
-        mask = causal_mask(q.shape[2], k.shape[2], past, key_mask, q.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        gqa = self.n_heads != self.n_kv
+        if key_mask is None and (past == 0 or q.shape[2] == 1):
+            # No padding, and either a fresh prefill or one decode token: the flash path needs no
+            # materialised mask (is_causal aligns top-left, which is right only when past == 0).
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and q.shape[2] > 1, enable_gqa=gqa)
+        else:
+            mask = causal_mask(q.shape[2], k.shape[2], past, key_mask, q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
         return self.finish(o, x)
 

@@ -9,8 +9,8 @@ thread to the HTTP stream without crossing processes. Endpoints: /v1/models,
 With SALA_API_KEY set (or `api_key=`), /v1/* and /generate need `Authorization: Bearer KEY`.
 A client that goes away mid-request cancels its engine requests, which frees their cache.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Serve's class-based routes need FastAPI to see
+# the real `Request` class in their signatures, not a string.
 import argparse
 import asyncio
 import hmac
@@ -25,7 +25,8 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from ray import serve
 
@@ -41,18 +42,31 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine):
+    """HTTP-side counters and latency histograms, plus the engine's own totals read at scrape time."""
+
+    def __init__(self, engine: Engine):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("sala_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("sala_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("sala_generation_tokens", "Tokens generated", registry=r)
-        Gauge("sala_queue_depth", "Requests waiting for admission", registry=r).set_function(
-            lambda: engine.engine.scheduler.num_waiting)
-        Gauge("sala_running_requests", "Requests holding cache", registry=r).set_function(
-            lambda: len(engine.engine.scheduler.running))
         self.ttft = Histogram("sala_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("sala_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
+        r.register(EngineCollector(engine))
+
+
+class EngineCollector:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        yield GaugeMetricFamily("sala_queue_depth", "Requests waiting for admission", value=e.scheduler.num_waiting)
+        yield GaugeMetricFamily("sala_running_requests", "Requests holding cache", value=len(e.scheduler.running))
+        yield CounterMetricFamily("sala_prompt_tokens", "Prompt tokens of accepted requests", value=e.num_prompt_tokens)
+        yield CounterMetricFamily("sala_generation_tokens", "Tokens generated", value=e.num_generated_tokens)
+        finished = CounterMetricFamily("sala_finished_requests", "Finished requests by reason", labels=["reason"])
+        for reason in ("stop", "length", "cancelled"):
+            finished.add_metric([reason], e.num_finished[reason])
+        yield finished
 
 
 def sse(payload: dict | str) -> str:
@@ -79,7 +93,7 @@ class SalaServer:
         self.api_key = api_key or None
         self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
         self.max_model_len = self.engine.engine.max_model_len
-        self.metrics = Metrics(self.engine)
+        self.metrics = Metrics(self.engine.engine)
 
     def check_health(self) -> None:
         if not self.engine.thread.is_alive():
@@ -149,7 +163,6 @@ class SalaServer:
                 for j in range(n):
                     seeded = replace(params, seed=params.seed + j) if params.seed is not None else params
                     streams.append(self.engine.submit(ids, seeded))
-                self.metrics.prompt_tokens.inc(len(ids) * n)
         except BaseException:
             for s in streams:
                 s.cancel()
@@ -179,7 +192,6 @@ class SalaServer:
                     now = time.perf_counter()
                     (self.metrics.ttft if last[i] is None else self.metrics.itl).observe(now - (last[i] or start))
                     last[i] = now
-                    self.metrics.generation_tokens.inc(len(out.token_ids))
                 unfinished -= out.finished
                 yield i, out
         finally:

@@ -205,6 +205,8 @@ def metric_samples(server) -> dict:
 
 def test_disconnect_mid_stream_frees_the_slot_and_metrics_parse(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    cancelled = ("sala_finished_requests_total", (("reason", "cancelled"),))
+    before = metric_samples(server)[cancelled]
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
             lines = [line for _, line in zip(range(6), r.iter_lines())]
@@ -215,6 +217,7 @@ def test_disconnect_mid_stream_frees_the_slot_and_metrics_parse(server):
             break
         time.sleep(0.1)
     assert samples[("sala_running_requests", ())] == 0
+    assert samples[cancelled] == before + 1, "the request was not cancelled when its client left"
     assert samples[("sala_queue_depth", ())] == 0
     assert samples[("sala_requests_total", (("endpoint", "completions"), ("status", "200")))] >= 1
     assert samples[("sala_generation_tokens_total", ())] > 0

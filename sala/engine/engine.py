@@ -17,7 +17,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -59,6 +59,10 @@ class Engine:
         eos = self.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.max_model_len = self.config.max_position_embeddings
+        # Running totals for monitoring, written only by the step thread (prompt tokens on add).
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_finished: Counter[str] = Counter()  # by finish reason
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", **kwargs) -> Engine:
@@ -95,6 +99,7 @@ class Engine:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.scheduler.add(req)
+        self.num_prompt_tokens += len(ids)
         return req
 
     def cancel(self, req: Request) -> None:
@@ -130,6 +135,7 @@ class Engine:
 
     def _append(self, r: Request, token: int, lp: TokenLogprob | None) -> None:
         r.output_ids.append(token)
+        self.num_generated_tokens += 1
         r.first_token_at = r.first_token_at or time.perf_counter()
         if lp is not None:
             r.logprobs.append(lp)
@@ -145,6 +151,7 @@ class Engine:
     def _emit(self, r: Request, tokens: list[int], lp: TokenLogprob | None, reason: str | None) -> None:
         if reason:
             r.finish_reason = reason
+            self.num_finished[reason] += 1
             self.scheduler.finish(r)
         first = len(r.output_ids) == 1 and bool(tokens)
         r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],

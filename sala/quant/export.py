@@ -62,7 +62,7 @@ def check_quantization_config(qc: dict, source: Path) -> QuantizationConfig:
     except ValueError as e:
         raise CheckpointError(f"{source}: invalid quantization_config ({e})") from e
     if parsed.quantization_status != "compressed":
-        raise CheckpointError(f"{source}: quantization_status {parsed.quantization_status!r}; only packed "
+        raise CheckpointError(f"{source}: quantization_status {parsed.quantization_status.value!r}; only packed "
                               "('compressed') weights are supported")
     if parsed.kv_cache_scheme is not None:
         raise CheckpointError(f"{source}: KV-cache quantization (kv_cache_scheme) is not supported")
