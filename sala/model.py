@@ -84,30 +84,40 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class SparseAttention(nn.Module):
-    """The "minicpm4" mixer: GQA softmax attention, NoPE by default, sigmoid output gate."""
+class QKVOProjections(nn.Module):
+    """The four projections both mixers share; `heads` splits q, k, v into [B, H, T, D]."""
 
-    def __init__(self, config: SALAConfig):
+    def __init__(self, config: SALAConfig, n_heads: int, n_kv: int, head_dim: int):
         super().__init__()
         self.config = config
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        hs, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hs, self.n_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hs, self.n_kv * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hs, self.n_kv * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, hs, bias=False)
-        if config.attn_use_output_gate:
-            self.o_gate = nn.Linear(hs, self.n_heads * d, bias=False)
-        self.consts = Fp32Constants(inv_freq=rope_inv_freq(d, config.rope_theta))
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        hs, d = config.hidden_size, head_dim
+        self.q_proj = nn.Linear(hs, n_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hs, n_kv * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hs, n_kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(n_heads * d, hs, bias=False)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x: [B, T, hidden] (normalised layer input) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+    def heads(self, x: torch.Tensor):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+
+class SparseAttention(QKVOProjections):
+    """The "minicpm4" mixer: GQA softmax attention, NoPE by default, sigmoid output gate."""
+
+    def __init__(self, config: SALAConfig):
+        super().__init__(config, config.num_attention_heads, config.num_key_value_heads,
+                         config.hidden_size // config.num_attention_heads)
+        if config.attn_use_output_gate:
+            self.o_gate = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.consts = Fp32Constants(inv_freq=rope_inv_freq(self.head_dim, config.rope_theta))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x: [B, T, hidden] (normalised layer input) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+        q, k, v = self.heads(x)
         if self.config.attn_use_rope:
             inv_freq = self.consts.get("inv_freq", x.device)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -164,22 +174,14 @@ def causal_mask(t_q: int, t_k: int, past: int, key_mask: torch.Tensor | None, de
     return mask
 
 
-class LightningAttention(nn.Module):
+class LightningAttention(QKVOProjections):
     """The "lightning-attn" mixer: QK-norm, RoPE, fp32 decayed linear attention, output norm and gate."""
 
     def __init__(self, config: SALAConfig):
-        super().__init__()
-        self.config = config
-        self.n_heads = config.lightning_nh
-        self.n_kv = config.lightning_nkv
-        self.head_dim = config.lightning_head_dim
-        hs, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(hs, self.n_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hs, self.n_kv * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hs, self.n_kv * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, hs, bias=False)
+        super().__init__(config, config.lightning_nh, config.lightning_nkv, config.lightning_head_dim)
+        d = self.head_dim
         if config.use_output_gate:
-            self.z_proj = nn.Linear(hs, self.n_heads * d, bias=False)
+            self.z_proj = nn.Linear(config.hidden_size, self.n_heads * d, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -193,10 +195,7 @@ class LightningAttention(nn.Module):
 
         Tokens where token_mask is 0 (left padding) get k = v = 0, so they leave the state untouched.
         """
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.heads(x)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.config.lightning_use_rope:

@@ -1,0 +1,293 @@
+"""Batch generation over a dataset: prompts in, a parquet dataset of completions out.
+
+    python pipelines/generate.py --dataset prompts.jsonl --output /abs/out      # tiny-sala, greedy
+    python pipelines/generate.py --dataset chats.parquet --messages-column messages \\
+        --model models:/sala@champion --replicas 4 --num-gpus 1 --max-tokens 256 --output /abs/out
+
+Ray Data reads the dataset (a .jsonl file, a .parquet file or directory, or a directory saved by
+`datasets.save_to_disk`), then `map_batches` sends batches to a pool of actors that each hold
+one engine (`--replicas`, with `--num-gpus` per replica on GPU nodes). Output columns follow
+Ray Data LLM's schema: generated_text, num_input_tokens, num_generated_tokens, finish_reason,
+time_taken_llm, optional logprobs / top_logprobs, and __inference_error__, which is set (and
+the rest left empty) for a row that cannot be generated: a line that is not JSON, a missing or
+empty prompt, a prompt longer than the context. Such a row never fails the job. Parquet and
+datasets inputs keep all their columns; a jsonl line is kept verbatim in `record`.
+
+One MLflow run per invocation records the parameters and throughput. The output directory is
+written beside its final path and renamed into place when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python pipelines/generate.py` from a checkout or a Ray working_dir
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+ERROR = "__inference_error__"
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used as asked; the message names the path or column."""
+
+
+# ----------------------------------------------------------------------------- reading
+def dataset_format(path: Path) -> str:
+    if not path.exists():
+        raise DatasetError(f"dataset not found: {path}")
+    if path.is_dir():
+        if any(path.rglob("*.arrow")):
+            return "arrow"
+        if any(path.rglob("*.parquet")):
+            return "parquet"
+        raise DatasetError(f"{path}: directory holds no .parquet or .arrow (datasets.save_to_disk) files")
+    if path.suffix in (".jsonl", ".json"):
+        return "jsonl"
+    if path.suffix == ".parquet":
+        return "parquet"
+    raise DatasetError(f"{path}: unsupported dataset format (use .jsonl, .parquet or a datasets directory)")
+
+
+def arrow_table(path: Path):
+    """A `datasets.save_to_disk` directory: Arrow IPC stream files."""
+    import pyarrow as pa
+
+    tables = []
+    for f in sorted(path.rglob("*.arrow")):
+        with pa.memory_map(str(f)) as src:
+            tables.append(pa.ipc.open_stream(src).read_all())
+    return pa.concat_tables(tables)
+
+
+def input_columns(path: Path, fmt: str, sample_lines: int = 1000) -> tuple[list[str], int | None]:
+    """Column names and, where cheap, the row count, read before starting Ray."""
+    if fmt == "jsonl":
+        keys, rows = set(), 0
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rows += 1
+                if rows <= sample_lines:
+                    try:
+                        rec = json.loads(line)
+                        keys |= set(rec) if isinstance(rec, dict) else set()
+                    except ValueError:
+                        pass
+        return sorted(keys), rows
+    if fmt == "arrow":
+        t = arrow_table(path)
+        return t.column_names, t.num_rows
+    import pyarrow.parquet as pq
+
+    ds = pq.ParquetDataset(str(path))
+    return ds.schema.names, sum(f.metadata.num_rows for f in ds.fragments)
+
+
+def read_dataset(path: Path, fmt: str, column: str):
+    import ray
+
+    if fmt == "jsonl":
+        return ray.data.read_text(str(path), drop_empty_lines=True).map_batches(
+            parse_jsonl, fn_kwargs={"column": column}, batch_format="pandas")
+    if fmt == "arrow":
+        return ray.data.from_arrow(arrow_table(path))
+    return ray.data.read_parquet(str(path))
+
+
+def parse_jsonl(batch: pd.DataFrame, column: str) -> pd.DataFrame:
+    """One text line per row -> the prompt column (JSON-encoded), the line itself, or an error."""
+    values, errors = [], []
+    for line in batch["text"]:
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+            values.append(json.dumps(rec[column]) if column in rec else None)
+            errors.append(None if column in rec else f"no '{column}' field")
+        except ValueError as e:
+            values.append(None)
+            errors.append(f"line is not valid JSON: {e}")
+    return pd.DataFrame({column: values, "record": batch["text"], ERROR: errors})
+
+
+# ----------------------------------------------------------------------------- the engine stage
+class GenerateStage:
+    """One engine per actor (the model loads once); each call generates one batch of rows."""
+
+    def __init__(self, model_path: str, column: str, chat: bool, encoded: bool, sampling: dict,
+                 top_logprobs: int | None, num_threads: int, engine_kwargs: dict):
+        import torch
+
+        from sala.engine import Engine, SamplingParams
+
+        torch.set_num_threads(num_threads)
+        self.engine = Engine.from_pretrained(model_path, **engine_kwargs)
+        self.params = SamplingParams(**sampling, logprobs=top_logprobs)
+        self.column, self.chat, self.encoded, self.top_logprobs = column, chat, encoded, top_logprobs
+
+    def prompt(self, value) -> str:
+        if self.encoded:  # jsonl values arrive JSON-encoded, so a list of messages survives the text stage
+            value = json.loads(value)
+        if self.chat:
+            messages = [{"role": m["role"], "content": m["content"]} for m in value]
+            return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"'{self.column}' must be a non-empty string")
+        return value
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        from sala.engine import InvalidParam
+
+        n = len(batch)
+        errors = list(batch[ERROR]) if ERROR in batch else [None] * n
+        requests = {}
+        for i, value in enumerate(batch[self.column]):
+            if errors[i] is not None:
+                continue
+            try:
+                requests[i] = self.engine.add_request(self.prompt(value), self.params)
+            except (InvalidParam, ValueError, TypeError, KeyError) as e:
+                errors[i] = f"{type(e).__name__}: {e}"
+        while self.engine.has_work():
+            self.engine.step()
+        done = {i: r.completion() for i, r in requests.items()}
+
+        def column(fn):
+            return [fn(done[i]) if i in done else None for i in range(n)]
+
+        out = batch.drop(columns=[ERROR], errors="ignore").assign(
+            generated_text=column(lambda c: c.text),
+            num_input_tokens=column(lambda c: len(c.prompt_ids)),
+            num_generated_tokens=column(lambda c: len(c.token_ids)),
+            finish_reason=column(lambda c: c.finish_reason),
+            time_taken_llm=column(lambda c: c.latency_s),
+        )
+        if self.top_logprobs is not None:
+            out["logprobs"] = column(lambda c: [e.logprob for e in c.logprobs])
+            if self.top_logprobs:
+                out["top_logprobs"] = column(lambda c: [[{"token_id": t, "logprob": lp} for t, lp in e.top] for e in c.logprobs])
+        out[ERROR] = errors
+        return out
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pipelines/generate.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--dataset", required=True, help=".jsonl, .parquet (file or directory) or a datasets directory")
+    ap.add_argument("--output", required=True, help="parquet directory to write")
+    ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
+    ap.add_argument("--prompt-column", default="prompt", help="column of prompt strings")
+    ap.add_argument("--messages-column", help="column of chat messages instead (rendered with the chat template)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, help="sampling seed (each row draws from its own seeded generator)")
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--logprobs", type=int, help="store each token's logprob and this many alternatives (0-256)")
+    ap.add_argument("--replicas", type=int, default=1, help="engine actors")
+    ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor")
+    ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine actor")
+    ap.add_argument("--batch-size", type=int, default=64, help="rows per map_batches call")
+    ap.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget per step")
+    ap.add_argument("--experiment", default="generate", help="MLflow experiment")
+    args = ap.parse_args(argv)
+    for name in ("max_tokens", "replicas", "batch_size"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pipelines.raycluster import RayUnavailable, init_ray
+    from pipelines.registry import ModelSpecError, resolve_model_path
+    from pipelines.tracking import TrackingError, setup_mlflow
+    from sala.engine import InvalidParam, SamplingParams
+
+    dataset, output = Path(args.dataset).expanduser().absolute(), Path(args.output).expanduser().absolute()
+    column = args.messages_column or args.prompt_column
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    seed=args.seed, stop=args.stop)
+    try:
+        SamplingParams(**sampling, logprobs=args.logprobs).validate(vocab_size=1)  # no stop_token_ids flag: any size
+        if output.exists() and not args.overwrite:
+            raise DatasetError(f"{output} exists; pass --overwrite to replace it")
+        fmt = dataset_format(dataset)
+        columns, rows = input_columns(dataset, fmt)
+        if rows == 0:
+            raise DatasetError(f"dataset {dataset} has no rows")
+        if column not in columns:
+            raise DatasetError(f"column '{column}' not found in {dataset} (columns: {', '.join(columns) or 'none'})")
+        model_path = resolve_model_path(args.model)
+        setup_mlflow(args.experiment)
+        init_ray()
+    except InvalidParam as e:
+        return fail(f"--{e.param.replace('_', '-')}: {e}")
+    except (DatasetError, ModelSpecError, TrackingError, RayUnavailable) as e:
+        return fail(str(e))
+    return run(args, dataset, fmt, column, rows, model_path, output, sampling)
+
+
+def run(args, dataset: Path, fmt: str, column: str, rows: int, model_path: Path, output: Path, sampling: dict) -> int:
+    import mlflow
+    import pyarrow.parquet as pq
+    import ray
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": str(dataset), "rows": rows,
+              "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus, "batch_size": args.batch_size,
+              "output": str(output), **sampling}
+    with mlflow.start_run(run_name=f"generate-{dataset.stem}"):
+        mlflow.log_params(params)
+        start = time.perf_counter()
+        ds = read_dataset(dataset, fmt, column).map_batches(
+            GenerateStage,
+            fn_constructor_kwargs=dict(model_path=str(model_path), column=column, chat=bool(args.messages_column),
+                                       encoded=fmt == "jsonl", sampling=sampling, top_logprobs=args.logprobs,
+                                       num_threads=max(1, int(args.num_cpus)),
+                                       engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
+                                                      "max_waiting": max(256, args.batch_size)}),
+            batch_size=args.batch_size, batch_format="pandas", compute=ray.data.ActorPoolStrategy(size=args.replicas),
+            num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False)
+        staging = output.with_name(f".{output.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        ds.write_parquet(str(staging))
+        wall = time.perf_counter() - start
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+        table = pq.read_table(str(output), columns=["num_input_tokens", "num_generated_tokens", ERROR])
+        errors = table.column(ERROR).drop_null()
+        generated = int(np.nansum(table.column("num_generated_tokens").to_numpy(zero_copy_only=False)))
+        prompt_tokens = int(np.nansum(table.column("num_input_tokens").to_numpy(zero_copy_only=False)))
+        metrics = {"rows": table.num_rows, "errors": len(errors), "generated_tokens": generated,
+                   "prompt_tokens": prompt_tokens, "wall_s": wall, "rows_per_s": table.num_rows / wall,
+                   "generated_tokens_per_s": generated / wall}
+        mlflow.log_metrics(metrics)
+    print(f"{table.num_rows} rows ({len(errors)} errors) -> {output} in {wall:.1f}s: "
+          f"{metrics['generated_tokens_per_s']:.0f} generated tokens/s", flush=True)
+    if len(errors):
+        print(f"first error: {errors[0].as_py()}", flush=True)
+    print(json.dumps(metrics), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
