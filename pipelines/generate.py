@@ -30,7 +30,6 @@ if str(ROOT) not in sys.path:  # `python pipelines/generate.py` from a checkout 
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
 
 ERROR = "__inference_error__"
 
@@ -97,33 +96,42 @@ def read_dataset(path: Path, fmt: str, column: str):
 
     if fmt == "jsonl":
         return ray.data.read_text(str(path), drop_empty_lines=True).map_batches(
-            parse_jsonl, fn_kwargs={"column": column}, batch_format="pandas")
+            parse_jsonl, fn_kwargs={"column": column}, batch_format="pyarrow")
     if fmt == "arrow":
         return ray.data.from_arrow(arrow_table(path))
     return ray.data.read_parquet(str(path))
 
 
-def parse_jsonl(batch: pd.DataFrame, column: str) -> pd.DataFrame:
-    """One text line per row -> the prompt column (JSON-encoded), the line itself, or an error."""
-    values, errors = [], []
-    for line in batch["text"]:
+def parse_jsonl(batch, column: str):
+    """One text line per row -> the line as `record`, with an error unless it is a JSON object
+    holding `column`."""
+    import pyarrow as pa
+
+    errors, lines = [], batch.column("text").to_pylist()
+    for line in lines:
         try:
             rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
-            values.append(json.dumps(rec[column]) if column in rec else None)
-            errors.append(None if column in rec else f"no '{column}' field")
+            errors.append(None if isinstance(rec, dict) and column in rec else f"no '{column}' field")
         except ValueError as e:
-            values.append(None)
             errors.append(f"line is not valid JSON: {e}")
-    return pd.DataFrame({column: values, "record": batch["text"], ERROR: errors})
+    return pa.table({"record": pa.array(lines, pa.string()), ERROR: pa.array(errors, pa.string())})
 
 
 # ----------------------------------------------------------------------------- the engine stage
-class GenerateStage:
-    """One engine per actor (the model loads once); each call generates one batch of rows."""
+def output_types():
+    import pyarrow as pa
 
-    def __init__(self, model_path: str, column: str, chat: bool, encoded: bool, sampling: dict,
+    top = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
+    return {"generated_text": pa.string(), "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
+            "finish_reason": pa.string(), "time_taken_llm": pa.float64(), "logprobs": pa.list_(pa.float64()),
+            "top_logprobs": pa.list_(pa.list_(top)), ERROR: pa.string()}
+
+
+class GenerateStage:
+    """One engine per actor (the model loads once); each call generates one batch of rows.
+    Output columns have fixed Arrow types, so batches that are all errors still share a schema."""
+
+    def __init__(self, model_path: str, column: str, chat: bool, jsonl: bool, sampling: dict,
                  top_logprobs: int | None, num_threads: int, engine_kwargs: dict):
         import torch
 
@@ -132,11 +140,11 @@ class GenerateStage:
         torch.set_num_threads(num_threads)
         self.engine = Engine.from_pretrained(model_path, **engine_kwargs)
         self.params = SamplingParams(**sampling, logprobs=top_logprobs)
-        self.column, self.chat, self.encoded, self.top_logprobs = column, chat, encoded, top_logprobs
+        self.column, self.chat, self.jsonl, self.top_logprobs = column, chat, jsonl, top_logprobs
 
     def prompt(self, value) -> str:
-        if self.encoded:  # jsonl values arrive JSON-encoded, so a list of messages survives the text stage
-            value = json.loads(value)
+        if self.jsonl:  # the row is the raw line; parse_jsonl checked that it parses and has the column
+            value = json.loads(value)[self.column]
         if self.chat:
             messages = [{"role": m["role"], "content": m["content"]} for m in value]
             return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -144,13 +152,15 @@ class GenerateStage:
             raise ValueError(f"'{self.column}' must be a non-empty string")
         return value
 
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+    def __call__(self, batch):
+        import pyarrow as pa
+
         from sala.engine import InvalidParam
 
-        n = len(batch)
-        errors = list(batch[ERROR]) if ERROR in batch else [None] * n
+        n = batch.num_rows
+        errors = batch.column(ERROR).to_pylist() if ERROR in batch.column_names else [None] * n
         requests = {}
-        for i, value in enumerate(batch[self.column]):
+        for i, value in enumerate(batch.column("record" if self.jsonl else self.column).to_pylist()):
             if errors[i] is not None:
                 continue
             try:
@@ -164,19 +174,24 @@ class GenerateStage:
         def column(fn):
             return [fn(done[i]) if i in done else None for i in range(n)]
 
-        out = batch.drop(columns=[ERROR], errors="ignore").assign(
-            generated_text=column(lambda c: c.text),
-            num_input_tokens=column(lambda c: len(c.prompt_ids)),
-            num_generated_tokens=column(lambda c: len(c.token_ids)),
-            finish_reason=column(lambda c: c.finish_reason),
-            time_taken_llm=column(lambda c: c.latency_s),
-        )
+        values = {
+            "generated_text": column(lambda c: c.text),
+            "num_input_tokens": column(lambda c: len(c.prompt_ids)),
+            "num_generated_tokens": column(lambda c: len(c.token_ids)),
+            "finish_reason": column(lambda c: c.finish_reason),
+            "time_taken_llm": column(lambda c: c.latency_s),
+        }
         if self.top_logprobs is not None:
-            out["logprobs"] = column(lambda c: [e.logprob for e in c.logprobs])
+            values["logprobs"] = column(lambda c: [e.logprob for e in c.logprobs])
             if self.top_logprobs:
-                out["top_logprobs"] = column(lambda c: [[{"token_id": t, "logprob": lp} for t, lp in e.top] for e in c.logprobs])
-        out[ERROR] = errors
-        return out
+                values["top_logprobs"] = column(lambda c: [[{"token_id": t, "logprob": lp} for t, lp in e.top]
+                                                           for e in c.logprobs])
+        values[ERROR] = errors
+        table = batch.drop_columns([ERROR]) if ERROR in batch.column_names else batch
+        types = output_types()
+        for name, vals in values.items():
+            table = table.append_column(name, pa.array(vals, types[name]))
+        return table
 
 
 # ----------------------------------------------------------------------------- main
@@ -260,11 +275,11 @@ def run(args, dataset: Path, fmt: str, column: str, rows: int, model_path: Path,
         ds = read_dataset(dataset, fmt, column).map_batches(
             GenerateStage,
             fn_constructor_kwargs=dict(model_path=str(model_path), column=column, chat=bool(args.messages_column),
-                                       encoded=fmt == "jsonl", sampling=sampling, top_logprobs=args.logprobs,
+                                       jsonl=fmt == "jsonl", sampling=sampling, top_logprobs=args.logprobs,
                                        num_threads=max(1, int(args.num_cpus)),
                                        engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
                                                       "max_waiting": max(256, args.batch_size)}),
-            batch_size=args.batch_size, batch_format="pandas", compute=ray.data.ActorPoolStrategy(size=args.replicas),
+            batch_size=args.batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=args.replicas),
             num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False)
         staging = output.with_name(f".{output.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)

@@ -89,19 +89,6 @@ def parse_mix(text: str) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ calibration
-def calibration_rows(args, tokenizer) -> tuple[list[cal.Row], cal.MixReport]:
-    def render(messages):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-
-    if args.calibration:
-        records, bad = cal.read_records(args.calibration)
-        column = cal.text_column(records, args.calibration, args.text_column)
-        rows = cal.to_rows(records, column, render)
-    else:
-        rows, bad = cal.default_source_rows(), 0
-    return rows, cal.analyse(rows, bad)
-
-
 def target_mix(args) -> dict[str, float] | None:
     if args.target_mix:
         return parse_mix(args.target_mix)
@@ -110,12 +97,6 @@ def target_mix(args) -> dict[str, float] | None:
         column = cal.text_column(records, args.mix_from, args.text_column)
         return cal.analyse(cal.to_rows(records, column)).proportions
     return None
-
-
-def calibration_sequences(rows: list[cal.Row], tokenizer, args, mix) -> torch.Tensor:
-    picked = cal.build_calibration(rows, args.num_samples, mix, seed=0)
-    ids = [tokenizer(r.text, add_special_tokens=True, verbose=False)["input_ids"] for r in picked]
-    return cal.pack_sequences(ids, args.seq_len, tokenizer.eos_token_id)
 
 
 # ---------------------------------------------------------------------------- ray workers
@@ -429,9 +410,9 @@ def run(args) -> int:
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows, report = calibration_rows(args, tokenizer)
+    rows, report = cal.calibration_source(tokenizer, args.calibration, args.text_column)
     mix = target_mix(args)
-    seqs = calibration_sequences(rows, tokenizer, args, mix)
+    seqs = cal.sample_and_pack(rows, tokenizer, args.num_samples, args.seq_len, mix)
     print(f"model      {model_dir}\noutput     {output}\nmlflow     {tracking_uri()}")
     print(f"calibration source mix:\n{report.table()}")
     print(f"calibration set: {len(seqs)} sequences x {args.seq_len} tokens, target mix {mix or 'source mix'}")
@@ -464,7 +445,8 @@ def run(args) -> int:
         rows_table = per_layer_table(results)
         m4 = sum(r["m4_share"] for r in rows_table) / len(rows_table)
 
-        reference = load_model(model_dir, dtype=torch.float32)
+        # The reference is the model as served in BF16, so the comparison measures NVFP4 alone.
+        reference = load_model(model_dir, dtype=torch.bfloat16).float()
         export_checkpoint(reference, quantized, output, tokenizer, scale_rule=args.scale_rule, method=args.method,
                           overwrite=args.overwrite,
                           producer={"name": "pipelines/quantize.py", "args": {k: v for k, v in vars(args).items()}},

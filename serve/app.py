@@ -25,7 +25,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from ray import serve
@@ -42,7 +42,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
-    """HTTP-side counters and latency histograms, plus the engine's own totals read at scrape time."""
+    """HTTP-side counters and latency histograms, the engine's own totals read at scrape time, and
+    the replica process's memory and CPU (process_resident_memory_bytes, ...)."""
 
     def __init__(self, engine: Engine):
         self.registry = r = CollectorRegistry()
@@ -51,6 +52,7 @@ class Metrics:
         self.itl = Histogram("sala_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(engine))
+        ProcessCollector(registry=r)
 
 
 class EngineCollector:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from sala.checkpoint import CheckpointError, load_model, write_manifest
 from sala.quant.export import export_checkpoint, load_quantized_model
-from sala.quant.layerwise import quantize_layer, quantize_sequential
+from sala.quant.layerwise import apply_quantized, quantize_model
 from sala.quant.linear import NVFP4Linear
 from tests.test_model import random_model
 
@@ -28,16 +28,10 @@ FUSED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gat
 
 
 def quantize(model, method, scale_rule, seed=0):
-    """{full module name: NVFP4Tensor} through the same layer-by-layer path as the CLI."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = torch.randint(0, model.config.vocab_size, (4, 32), generator=g)
-
-    def quantize_fn(i, weights, hessians, groups):
-        return quantize_layer(weights, hessians, groups, method=method, scale_rule=scale_rule,
-                              layer_name=f"model.layers.{i}")
-
-    results = quantize_sequential(model, seqs, quantize_fn)
-    return {f"model.layers.{i}.{m}": q for i, res in results.items() for m, (q, _) in res.items()}
+    """{full module name: NVFP4Tensor} through the CLI's layer-by-layer path."""
+    seqs = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(seed))
+    quantized, _ = quantize_model(model, seqs, method, scale_rule)
+    return quantized
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -99,6 +93,32 @@ def test_packed_logits_equal_dequantized_logits(exported):
         a = packed(ids, use_cache=False).logits
         b = dense(ids, use_cache=False).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_linears_with_bias_round_trip(tmp_path):
+    # attention_bias puts a BF16 bias beside q/k/v's packed weights; every path keeps it.
+    reference = random_model(**CONFIG, attention_bias=True)
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            layer.self_attn.q_proj.bias.normal_()
+    quantized = quantize(copy.deepcopy(reference), "rtn", "4over6")
+    path = export_checkpoint(reference, quantized, tmp_path / "ckpt", scale_rule="4over6", method="rtn")
+    packed = load_quantized_model(path, dtype=torch.float32, packed=True)
+    dense = load_quantized_model(path, dtype=torch.float32, packed=False)
+    bias = packed.model.layers[0].self_attn.q_proj.bias
+    assert torch.equal(bias, reference.model.layers[0].self_attn.q_proj.bias.bfloat16().float())
+    # In memory too: apply_quantized's packed modules keep the bias.
+    in_memory = {use_packed: copy.deepcopy(reference) for use_packed in (True, False)}
+    for use_packed, model in in_memory.items():
+        for i, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{i}."
+            apply_quantized(layer, {k.removeprefix(prefix): q for k, q in quantized.items() if k.startswith(prefix)},
+                            packed=use_packed)
+    ids = torch.randint(0, 101, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for a, b in ((packed, dense), (in_memory[True], in_memory[False])):
+            torch.testing.assert_close(a(ids, use_cache=False).logits, b(ids, use_cache=False).logits,
+                                       rtol=1e-5, atol=1e-5)
 
 
 # ---- compressed-tensors reads what we wrote -------------------------------------------------

@@ -59,16 +59,18 @@ class Engine:
         eos = self.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.max_model_len = self.config.max_position_embeddings
-        # Running totals for monitoring, written only by the step thread (prompt tokens on add).
+        dense_len = self.config.sparse_config["dense_len"]
+        if self.max_model_len > dense_len:
+            log.warning("sparse layers attend densely: contexts of %d tokens or more will differ from the official "
+                        "InfLLM-v2 block selection (sparse_config.dense_len)", dense_len)
+        # Running totals for monitoring: tokens generated and finishes by the step thread, prompt tokens on add.
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished: Counter[str] = Counter()  # by finish reason
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", **kwargs) -> Engine:
-        from transformers import AutoTokenizer
-
-        import sala  # noqa: F401  registers the tokenizer class with transformers
+        from transformers import AutoTokenizer  # sala/__init__ has registered SALA's tokenizer class
 
         return cls(load_checkpoint(path, dtype, device), AutoTokenizer.from_pretrained(path), **kwargs)
 

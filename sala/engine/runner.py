@@ -130,7 +130,7 @@ class ModelRunner:
             out[:d] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=step.decode_kv_mask, enable_gqa=gqa)[:, :, 0]
         for r, a, b, past in step.decode_spans + step.spans:
             kp, vp = self.cache.read_kv(i, r.slots[None, : past + b - a])
-            mask = causal_mask(b - a, past + b - a, past, None, x.device)
+            mask = causal_mask(b - a, past + b - a, past, None, x.device) if b - a > 1 else None  # one query sees all
             o = F.scaled_dot_product_attention(q[:, :, a:b], kp, vp, attn_mask=mask, enable_gqa=gqa)
             out[a:b] = o[0].transpose(0, 1)
         return attn.finish(out.reshape(1, out.shape[0], -1), x)

@@ -259,6 +259,33 @@ def pack_sequences(token_lists: list[list[int]], seq_len: int, eos_id: int) -> t
     return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+def calibration_source(tokenizer, path: str | None = None, column: str | None = None) -> tuple[list[Row], MixReport]:
+    """Rows of the dataset at `path` (default: the built-in set) and the analysis of their mix."""
+    if not path:
+        rows = default_source_rows()
+        return rows, analyse(rows)
+    records, malformed = read_records(path)
+    column = text_column(records, path, column)
+    rows = to_rows(records, column, lambda messages: tokenizer.apply_chat_template(messages, tokenize=False))
+    return rows, analyse(rows, malformed)
+
+
+def calibration_sequences(tokenizer, num_samples: int, seq_len: int, path: str | None = None,
+                          column: str | None = None, target_mix: dict[str, float] | None = None) -> torch.Tensor:
+    """[N, seq_len] token ids: `num_samples` rows of the dataset at `path` (default: the
+    built-in set) sampled to `target_mix` (default: the source's own mix), low-semantic rows
+    down-weighted, tokenized and packed."""
+    rows, _ = calibration_source(tokenizer, path, column)
+    return sample_and_pack(rows, tokenizer, num_samples, seq_len, target_mix)
+
+
+def sample_and_pack(rows: list[Row], tokenizer, num_samples: int, seq_len: int,
+                    target_mix: dict[str, float] | None = None) -> torch.Tensor:
+    picked = build_calibration(rows, num_samples, target_mix, seed=0)
+    ids = [tokenizer(r.text, add_special_tokens=True, verbose=False)["input_ids"] for r in picked]
+    return pack_sequences(ids, seq_len, tokenizer.eos_token_id)
+
+
 # ----------------------------------------------------------------- default source (no download)
 def default_source_rows() -> list[Row]:
     """tiny-sala's training corpus plus generated code, Q&A and list rows, all from the stdlib."""

@@ -16,24 +16,18 @@ import argparse
 import copy
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from sala.checkpoint import CheckpointError, load_model, read_config
 from sala.eval import calibration as cal
+from sala.eval.compare import compare_models, window_sequences
+from sala.model import SALAForCausalLM
+from sala.quant.export import export_checkpoint
+from sala.quant.layerwise import ModuleStats, quantize_model, quantized_module_names
 from sala.quant.nvfp4 import GROUP_SIZE
-
-
-@dataclass
-class ModuleRow:
-    layer: int
-    module: str
-    m4_share: float
-    weight_error: float  # ||dW||^2 / ||W||^2
-    output_error: float  # ||X dW^T||^2 / ||X W^T||^2 on the calibration inputs
-    seconds: float  # per module; a fused group's time is split evenly
+from sala.tiny import ensure_tiny_sala, split_corpus, token_stream
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,9 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_model(model_dir: Path) -> None:
     """Refuse, before loading any weight, what cannot be quantized: an already quantized
     checkpoint, or a Linear whose in-features do not split into NVFP4 groups."""
-    from sala.model import SALAForCausalLM
-    from sala.quant.layerwise import quantized_module_names
-
     config = read_config(model_dir)
     if getattr(config, "quantization_config", None):
         raise CheckpointError(f"{model_dir}: already quantized (config.json has a quantization_config); "
@@ -89,57 +80,7 @@ def load_tokenizer(model_dir: Path):
         raise CheckpointError(f"{model_dir}: no usable tokenizer ({e})") from e
 
 
-def calibration_sequences(args, tokenizer) -> torch.Tensor:
-    """[N, seq_len] token ids: --num-samples rows sampled from the source's own task mix
-    (low-semantic rows down-weighted), tokenized and packed."""
-    if args.calibration:
-        records, _ = cal.read_records(args.calibration)
-        column = cal.text_column(records, args.calibration, args.text_column)
-        rows = cal.to_rows(records, column, lambda messages: tokenizer.apply_chat_template(messages, tokenize=False))
-    else:
-        rows = cal.default_source_rows()
-    picked = cal.build_calibration(rows, args.num_samples, seed=0)
-    ids = [tokenizer(r.text, add_special_tokens=True, verbose=False)["input_ids"] for r in picked]
-    return cal.pack_sequences(ids, args.seq_len, tokenizer.eos_token_id)
-
-
-def quantize_model(model, seqs: torch.Tensor, args) -> tuple[dict, list[ModuleRow]]:
-    """Quantize `model` in place (its Linears end up holding the dequantized weights).
-    Returns {full module name: NVFP4Tensor} and one table row per module."""
-    from tqdm import tqdm
-
-    from sala.quant.gptq import relative_output_error, relative_weight_error
-    from sala.quant.layerwise import quantize_layer, quantize_sequential
-
-    rows: list[ModuleRow] = []
-    bar = tqdm(total=len(model.model.layers), desc="quantizing layers", unit="layer", file=sys.stderr)
-
-    def quantize_fn(idx, weights, hessians, groups):
-        results = {}
-        for site, site_groups in groups.items():
-            for group in site_groups:
-                # One call per fused group, so the time is that group's own.
-                t0 = time.perf_counter()
-                done = quantize_layer(weights, hessians, {site: [group]}, method=args.method,
-                                      scale_rule=args.scale_rule, act_order=args.act_order, damp=args.damp,
-                                      layer_name=f"model.layers.{idx}")
-                seconds = (time.perf_counter() - t0) / len(group)
-                for m, (q, _) in done.items():
-                    deq = q.dequantize()
-                    # RTN returns no statistics; the same two errors make both methods comparable.
-                    rows.append(ModuleRow(idx, m, q.m4_share, relative_weight_error(weights[m], deq),
-                                          relative_output_error(weights[m], deq, hessians[site]), seconds))
-                results |= done
-        bar.update(1)
-        return results
-
-    results = quantize_sequential(model, seqs, quantize_fn)
-    bar.close()
-    quantized = {f"model.layers.{i}.{m}": q for i, res in results.items() for m, (q, _) in res.items()}
-    return quantized, rows
-
-
-def print_table(rows: list[ModuleRow]) -> None:
+def print_table(rows: list[ModuleStats]) -> None:
     print(f"{'layer':>5}  {'module':<20}{'M=4 share':>10}{'weight err':>12}{'output err':>12}{'seconds':>9}")
     for r in rows:
         print(f"{r.layer:>5}  {r.module:<20}{r.m4_share:>10.1%}{r.weight_error:>12.2e}{r.output_error:>12.2e}{r.seconds:>9.2f}")
@@ -149,10 +90,6 @@ def print_table(rows: list[ModuleRow]) -> None:
 
 
 def run(args) -> int:
-    from sala.eval.compare import compare_models, window_sequences
-    from sala.quant.export import export_checkpoint
-    from sala.tiny import ensure_tiny_sala, split_corpus, token_stream
-
     # Everything cheap that can fail is checked before the model is loaded.
     model_dir = Path(args.model) if args.model else ensure_tiny_sala()
     check_model(model_dir)
@@ -160,7 +97,7 @@ def run(args) -> int:
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     tokenizer = load_tokenizer(model_dir)
-    seqs = calibration_sequences(args, tokenizer)
+    seqs = cal.calibration_sequences(tokenizer, args.num_samples, args.seq_len, args.calibration, args.text_column)
     print(f"model       {model_dir}\noutput      {output}")
     print(f"method      {args.method}, scale rule {args.scale_rule}{', act-order' if args.act_order else ''}")
     print(f"calibration {len(seqs)} sequences x {args.seq_len} tokens "
@@ -169,7 +106,8 @@ def run(args) -> int:
     model = load_model(model_dir, dtype=torch.float32)
     reference = copy.deepcopy(model)
     t0 = time.time()
-    quantized, rows = quantize_model(model, seqs, args)
+    quantized, rows = quantize_model(model, seqs, args.method, args.scale_rule, act_order=args.act_order,
+                                     damp=args.damp)
     quantize_seconds = time.time() - t0
     print_table(rows)
     m4_share = sum(r.m4_share for r in rows) / len(rows)
@@ -179,7 +117,10 @@ def run(args) -> int:
                       producer={"name": "sala.quant", "args": dict(vars(args))},
                       metrics={"m4_share": m4_share, "quantize_seconds": quantize_seconds})
 
-    candidate = load_model(output, dtype=torch.float32)  # evaluate what was written
+    # What was written, against the unquantized tensors as the checkpoint stores them (BF16),
+    # so the comparison sees NVFP4 and nothing else.
+    candidate = load_model(output, dtype=torch.float32)
+    reference = reference.to(torch.bfloat16).float()
     _, heldout = split_corpus(10)
     windows = window_sequences(token_stream(tokenizer, heldout), args.seq_len, args.eval_sequences)
     q = compare_models(reference, candidate, windows)

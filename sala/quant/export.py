@@ -162,7 +162,8 @@ def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = No
             raise CheckpointError(f"{path}: {name} is packed but is a {type(old).__name__}, not a Linear")
         if packed:
             parent, _, child = name.rpartition(".")
-            model.get_submodule(parent).register_module(child, NVFP4Linear(old.in_features, old.out_features, device="meta"))
+            model.get_submodule(parent).register_module(child, NVFP4Linear(old.in_features, old.out_features,
+                                                                          old.bias is not None, device="meta"))
         else:
             p = state.pop(f"{name}.weight_packed")
             state[f"{name}.weight"] = dequantize(unpack_fp4(p), state.pop(f"{name}.weight_scale"),

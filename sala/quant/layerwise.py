@@ -12,13 +12,20 @@ The pieces the single-process CLI (`python -m sala.quant`) and the Ray pipeline
 - `apply_quantized`: put the quantized weights back into the model (packed NVFP4Linear, or
   dequantized into the existing Linear), e.g. to propagate calibration inputs in
   sequential mode.
+- `quantize_sequential`: the layer-by-layer driver, given a function that quantizes one layer
+  (in-process, or a Ray task); `quantize_model` runs it in this process with per-module
+  statistics (the CLI, the benchmarks).
 """
 from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from sala.quant.gptq import GPTQStats, HessianAccumulator, gptq_quantize
+from sala.quant.gptq import GPTQStats, HessianAccumulator, gptq_quantize, relative_output_error, relative_weight_error
 from sala.quant.nvfp4 import NVFP4Tensor, quantize_rtn
 
 # site -> modules reading that input; tuples inside are fused groups sharing a global scale.
@@ -113,7 +120,7 @@ def apply_quantized(layer: nn.Module, results: dict[str, NVFP4Tensor], packed: b
         parent = layer.get_submodule(parent_name)
         old = getattr(parent, child)
         if packed:
-            setattr(parent, child, NVFP4Linear.from_quantized(q).to(old.weight.device))
+            setattr(parent, child, NVFP4Linear.from_quantized(q, old.bias).to(old.weight.device))
         else:
             old.weight.data = q.dequantize(old.weight.dtype).to(old.weight.device)
 
@@ -145,3 +152,49 @@ def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[i
         with torch.no_grad():
             h = layer(h, positions, None, None, seqs.shape[1])
     return results
+
+
+@dataclass
+class ModuleStats:
+    """One quantized Linear, for either method: RTN has no GPTQStats, and the same errors
+    make the two comparable."""
+
+    layer: int
+    module: str
+    m4_share: float
+    weight_error: float  # ||dW||^2 / ||W||^2
+    output_error: float  # ||X dW^T||^2 / ||X W^T||^2 on the calibration inputs
+    seconds: float  # per module; a fused group's time is split evenly
+
+
+def quantize_model(model, seqs: torch.Tensor, method: str = "gptq", scale_rule: str = "4over6", *,
+                   act_order: bool = False, damp: float = 0.01) -> tuple[dict, list[ModuleStats]]:
+    """Quantize `model` layer by layer in this process, in place (its Linears end up holding
+    the dequantized weights), with a progress bar on stderr. Returns {full module name:
+    NVFP4Tensor} and one ModuleStats per module."""
+    from tqdm import tqdm
+
+    rows: list[ModuleStats] = []
+    bar = tqdm(total=len(model.model.layers), desc="quantizing layers", unit="layer", file=sys.stderr)
+
+    def quantize_fn(idx, weights, hessians, groups):
+        results = {}
+        for site, site_groups in groups.items():
+            for group in site_groups:
+                # One call per fused group, so the time is that group's own.
+                t0 = time.perf_counter()
+                done = quantize_layer(weights, hessians, {site: [group]}, method=method, scale_rule=scale_rule,
+                                      act_order=act_order, damp=damp, layer_name=f"model.layers.{idx}")
+                seconds = (time.perf_counter() - t0) / len(group)
+                for m, (q, _) in done.items():
+                    deq = q.dequantize()
+                    rows.append(ModuleStats(idx, m, q.m4_share, relative_weight_error(weights[m], deq),
+                                            relative_output_error(weights[m], deq, hessians[site]), seconds))
+                results |= done
+        bar.update(1)
+        return results
+
+    results = quantize_sequential(model, seqs, quantize_fn)
+    bar.close()
+    quantized = {f"model.layers.{i}.{m}": q for i, res in results.items() for m, (q, _) in res.items()}
+    return quantized, rows

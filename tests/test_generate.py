@@ -1,0 +1,117 @@
+"""pipelines/generate.py on a real local Ray and a temporary MLflow sqlite store.
+
+Expected texts come from the engine run in this process on the same weights.
+"""
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipelines import generate
+from sala.checkpoint import load_model
+from sala.engine import Engine, SamplingParams
+from sala.tiny import heldout_texts
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("SALA_HOME", str(tmp_path / "home"))
+    return uri
+
+
+@pytest.fixture(scope="module")
+def local(tiny_sala_dir):
+    from transformers import AutoTokenizer
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
+    torch.set_num_threads(n)
+
+
+def prompts(tiny_sala_dir, n):
+    texts = [t for t in heldout_texts(tiny_sala_dir) if len(t) > 80]
+    return [texts[i % len(texts)][: 30 + (i * 7) % 90] for i in range(n)]
+
+
+def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local):
+    rows = prompts(tiny_sala_dir, 200)
+    lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(rows)]
+    lines[57] = '{"id": 57, "prompt": "unterminated'
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    code = generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
+                          "--max-tokens", "4", "--num-cpus", "0.5", "--batch-size", "50", "--logprobs", "2"])
+    assert code == 0
+    table = pq.read_table(str(out)).to_pandas()
+    assert len(table) == 200
+    bad = table[table[generate.ERROR].notna()]
+    assert list(bad.index) == [57] and "not valid JSON" in bad[generate.ERROR].iloc[0]
+    assert bad["generated_text"].isna().all()
+    good = table[table[generate.ERROR].isna()]
+    assert len(good) == 199 and (good["num_generated_tokens"] <= 4).all()
+    assert [json.loads(r)["id"] for r in good["record"]] == [i for i in range(200) if i != 57]
+    expected = local.generate([rows[i] for i in (0, 1, 199)], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
+    for i, c in zip((0, 1, 199), expected):
+        assert table["generated_text"][i] == c.text
+        assert list(table["logprobs"][i]) == pytest.approx([e.logprob for e in c.logprobs], abs=1e-4)
+        assert len(table["top_logprobs"][i][0]) == 2
+
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_store)
+    (run,) = mlflow.search_runs(experiment_names=["generate"], output_format="list")
+    assert run.data.metrics["rows"] == 200 and run.data.metrics["errors"] == 1
+    assert run.data.metrics["generated_tokens_per_s"] > 0
+
+
+def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local):
+    import pyarrow as pa
+
+    chats = [[{"role": "user", "content": q}] for q in ("What is a list?", "Explain json.", "Name a module.")]
+    data = tmp_path / "chats.parquet"
+    pq.write_table(pa.table({"conversation": chats, "tag": ["a", "b", "c"]}), str(data))
+    out = tmp_path / "out"
+    assert generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
+                          "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5"]) == 0
+    table = pq.read_table(str(out)).to_pandas()
+    assert list(table["tag"]) == ["a", "b", "c"] and table[generate.ERROR].isna().all()
+    templated = [local.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    expected = local.generate(templated, SamplingParams(max_tokens=5, temperature=0))
+    assert list(table["generated_text"]) == [c.text for c in expected]
+
+
+def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_store, capsys):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "hi"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    cases = {
+        "dataset not found": ["--dataset", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o1")],
+        "column 'text' not found": ["--dataset", str(good), "--output", str(tmp_path / "o2"), "--prompt-column", "text"],
+        "has no rows": ["--dataset", str(empty), "--output", str(tmp_path / "o3")],
+        "pass --overwrite": ["--dataset", str(good), "--output", str(existing)],
+        "temperature": ["--dataset", str(good), "--output", str(tmp_path / "o4"), "--temperature", "-1"],
+    }
+    for expected, argv in cases.items():
+        assert generate.main(argv + ["--model", str(tiny_sala_dir)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and expected in err and "\n" not in err, err
