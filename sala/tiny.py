@@ -15,14 +15,13 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
-import importlib
-import inspect
+import ast
 import json
 import math
 import os
 import sys
+import sysconfig
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -39,8 +38,8 @@ CHAT_TEMPLATE = (
 # Modules whose docstrings extend the corpus: fixed and sorted, so the corpus is reproducible.
 DOC_MODULES = sorted([
     "argparse", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal", "difflib",
-    "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "io", "itertools",
-    "json", "logging", "math", "os", "pathlib", "pickle", "random", "re", "shutil", "socket",
+    "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "io", "glob",
+    "json", "logging", "calendar", "os", "pathlib", "pickle", "random", "re", "shutil", "socket",
     "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest",
     "urllib.parse", "uuid", "zipfile",
 ])
@@ -77,24 +76,31 @@ def sala_home() -> Path:
     return Path(os.environ.get("SALA_HOME", Path.home() / ".cache" / "sala")).expanduser().absolute()
 
 
+def stdlib_definitions(name: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """A stdlib module's docstring and its public top-level definitions as (name, docstring,
+    source), read from the source file rather than the live module: an imported library (Ray
+    wraps inspect's functions, say) must not change the corpus, and with it the recipe hash."""
+    base = Path(sysconfig.get_paths()["stdlib"], *name.split("."))
+    path = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    defs = sorted(
+        (n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("_")),
+        key=lambda n: n.name,
+    )
+    return ast.get_docstring(tree) or "", [(n.name, ast.get_docstring(n) or "", ast.get_source_segment(text, n)) for n in defs]
+
+
 def documents() -> list[tuple[str, str]]:
     """(name, text) pairs: every pydoc topic and the docstrings of DOC_MODULES, in a fixed order."""
     from pydoc_data.topics import topics
 
     docs = [(f"topic:{k}", topics[k].strip()) for k in sorted(topics)]
     for name in DOC_MODULES:
-        mod = importlib.import_module(name)
-        parts = [inspect.getdoc(mod) or ""]
-        for attr in sorted(dir(mod)):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # e.g. typing.re, reached by dir()
-                obj = getattr(mod, attr)
-                if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-                    continue
-                doc = inspect.getdoc(obj)
-            if doc:
-                parts.append(f"{attr}\n{doc}")
-        docs.append((f"module:{name}", "\n\n".join(p for p in parts if p)))
+        module_doc, defs = stdlib_definitions(name)
+        text = "\n\n".join(p for p in [module_doc] + [f"{attr}\n{doc}" for attr, doc, _ in defs if doc] if p)
+        if text:
+            docs.append((f"module:{name}", text))
     return docs
 
 

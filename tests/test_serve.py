@@ -40,7 +40,8 @@ def server(tiny_sala_dir):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(str(tiny_sala_dir), served_model_name=MODEL, api_key=API_KEY, num_cpus=0.5, num_threads=1,
-                        max_body_bytes=64 << 10, max_tokens_limit=256), name="sala", route_prefix="/")
+                        max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4, max_waiting=4),
+              name="sala", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     if started_ray:
@@ -191,6 +192,25 @@ def test_bad_requests_get_openai_style_errors(http, endpoint, body, headers, sta
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_full_queue_is_503_with_retry_after_and_leaves_nothing_behind(http, server):
+    """At most 4 running + 4 waiting: 16 choices cannot all be queued, so none may run; the
+    ones queued before the queue filled are cancelled, none runs to its length."""
+    cancelled = ("sala_finished_requests_total", (("reason", "cancelled"),))
+    length = ("sala_finished_requests_total", (("reason", "length"),))
+    before = metric_samples(server)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 16, "max_tokens": 200, "ignore_eos": True})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    for _ in range(100):
+        if metric_samples(server)[("sala_running_requests", ())] == 0:
+            break
+        time.sleep(0.1)
+    assert metric_samples(server)[("sala_running_requests", ())] == 0
+    after = metric_samples(server)
+    assert after[cancelled] >= before[cancelled] + 4 and after[length] == before[length], "queued choices kept running"
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 
 def test_missing_api_key_is_401(server):

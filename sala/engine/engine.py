@@ -12,7 +12,6 @@ request, which frees its cache at the start of the next step.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import threading
@@ -32,18 +31,6 @@ from sala.engine.sampling import sample, token_logprobs
 from sala.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
-    """A SALA checkpoint directory -> model; NVFP4 checkpoints load through the W4A16 path."""
-    path = Path(path)
-    if "quantization_config" in json.loads((path / "config.json").read_text()):
-        from sala.quant.export import load_quantized_model
-
-        return load_quantized_model(path)
-    from sala.checkpoint import load_model
-
-    return load_model(path, dtype=dtype, device=device)
 
 
 class Engine:
@@ -72,7 +59,9 @@ class Engine:
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", **kwargs) -> Engine:
         from transformers import AutoTokenizer  # sala/__init__ has registered SALA's tokenizer class
 
-        return cls(load_checkpoint(path, dtype, device), AutoTokenizer.from_pretrained(path), **kwargs)
+        from sala.checkpoint import load_model  # BF16, or NVFP4 through the W4A16 path
+
+        return cls(load_model(path, dtype, device), AutoTokenizer.from_pretrained(path), **kwargs)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

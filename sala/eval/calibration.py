@@ -10,7 +10,6 @@ pipelines/.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import random
@@ -289,24 +288,16 @@ def sample_and_pack(rows: list[Row], tokenizer, num_samples: int, seq_len: int,
 # ----------------------------------------------------------------- default source (no download)
 def default_source_rows() -> list[Row]:
     """tiny-sala's training corpus plus generated code, Q&A and list rows, all from the stdlib."""
-    from sala.tiny import DOC_MODULES, RECIPE, split_corpus
+    from sala.tiny import DOC_MODULES, RECIPE, split_corpus, stdlib_definitions
 
     train, _ = split_corpus(RECIPE["heldout_every"])
     rows = [Row(t, "prose") for t in train if not t.startswith("<|im_start|>")]
     rows += [Row(t.replace("<|im_start|>user\n", "Q: ").replace("<|im_end|>\n<|im_start|>assistant\n", "\nA: ").replace("<|im_end|>\n", ""), "qa")
              for t in train if t.startswith("<|im_start|>")]
-    import importlib
-
     for name in DOC_MODULES:
-        mod = importlib.import_module(name)
-        public = [a for a in sorted(dir(mod)) if not a.startswith("_")]
-        funcs = [getattr(mod, a) for a in public if inspect.isfunction(getattr(mod, a)) and getattr(mod, a).__module__ == mod.__name__]
-        for f in funcs[:6]:
-            try:
-                rows.append(Row(inspect.getsource(f), "code"))
-            except (OSError, TypeError):
-                continue
-        items = [f"- {a}: {(inspect.getdoc(getattr(mod, a)) or '').splitlines()[0][:80]}" for a in public[:12] if inspect.getdoc(getattr(mod, a))]
+        _, defs = stdlib_definitions(name)
+        rows += [Row(source, "code") for attr, _, source in defs if source.lstrip().startswith("def ")][:6]
+        items = [f"- {attr}: {doc.splitlines()[0][:80]}" for attr, doc, _ in defs[:12] if doc]
         if len(items) >= 3:
             rows.append(Row(f"Public names of {name}:\n" + "\n".join(items), "list"))
     for r in rows:
