@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import ast
 import json
@@ -76,6 +77,7 @@ def sala_home() -> Path:
     return Path(os.environ.get("SALA_HOME", Path.home() / ".cache" / "sala")).expanduser().absolute()
 
 
+@functools.lru_cache(maxsize=None)
 def stdlib_definitions(name: str) -> tuple[str, list[tuple[str, str, str]]]:
     """A stdlib module's docstring and its public top-level definitions as (name, docstring,
     source), read from the source file rather than the live module: an imported library (Ray
@@ -88,9 +90,12 @@ def stdlib_definitions(name: str) -> tuple[str, list[tuple[str, str, str]]]:
         (n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("_")),
         key=lambda n: n.name,
     )
-    return ast.get_docstring(tree) or "", [(n.name, ast.get_docstring(n) or "", ast.get_source_segment(text, n)) for n in defs]
+    lines = text.splitlines()
+    return ast.get_docstring(tree) or "", [(n.name, ast.get_docstring(n) or "", "\n".join(lines[n.lineno - 1 : n.end_lineno]))
+                                           for n in defs]
 
 
+@functools.lru_cache(maxsize=1)
 def documents() -> list[tuple[str, str]]:
     """(name, text) pairs: every pydoc topic and the docstrings of DOC_MODULES, in a fixed order."""
     from pydoc_data.topics import topics

@@ -3,9 +3,12 @@ real CLI in a subprocess; a worker killed mid-run; an interrupted run resumed; `
 import hashlib
 import json
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -147,13 +150,14 @@ def _free_port():
 
 
 def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
-    e = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "token")}
+    # Ray 2.60 clusters use token auth: the head and the job client share this token.
+    e = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     ray_bin = str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray_bin, "get-auth-token", "--generate"], env=e, check=True, capture_output=True)
     port, dash = _free_port(), _free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     start = subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
-                            "--disable-usage-stats", f"--temp-dir={tmp_path / 'ray'}"],
+                            "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
                            env=e, capture_output=True, text=True)
     assert start.returncode == 0, start.stderr
     out = tmp_path / "job-out"
@@ -167,6 +171,7 @@ def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
             env=e, capture_output=True, text=True, timeout=600)
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=e, capture_output=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "succeeded" in (job.stdout + job.stderr)
     assert (out / "model.safetensors").exists() and (out / "manifest.json").exists()
