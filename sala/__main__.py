@@ -43,8 +43,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from sala.model import SALAForCausalLM
     import torch
+
+    from sala.model import SALAForCausalLM
 
     config = read_config(args.model)
     state = load_state_dict(args.model, verify=True)

@@ -12,11 +12,11 @@ a hash of the recipe, so a changed recipe builds a new model instead of reusing 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import fcntl
 import functools
 import hashlib
-import ast
 import json
 import math
 import os

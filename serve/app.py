@@ -31,9 +31,21 @@ from pydantic import ValidationError
 from ray import serve
 
 from sala.engine import AsyncEngine, Engine, InvalidParam, QueueFull, RequestOutput, RequestStream, SamplingParams
-from serve.protocol import (PARAM_NAMES, APIError, ChatCompletionRequest, Choice, CompletionRequest, GenerateRequest,
-                            TokenText, chat_logprobs, completion_logprobs, schema_error, sglang_finish_reason,
-                            sglang_logprobs, usage)
+from serve.protocol import (
+    PARAM_NAMES,
+    APIError,
+    ChatCompletionRequest,
+    Choice,
+    CompletionRequest,
+    GenerateRequest,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    schema_error,
+    sglang_finish_reason,
+    sglang_logprobs,
+    usage,
+)
 
 log = logging.getLogger("sala.serve")
 api = FastAPI(title="sala", docs_url=None, redoc_url=None)

@@ -32,3 +32,18 @@ def tiny_sala_dir():
     from sala.tiny import ensure_tiny_sala
 
     return ensure_tiny_sala(progress=False)
+
+
+@pytest.fixture(scope="module")
+def local_engine(tiny_sala_dir):
+    """tiny-sala in an Engine in this process, one torch thread: the expected outputs that
+    servers and batch jobs built on the same weights must reproduce."""
+    from transformers import AutoTokenizer
+
+    from sala.checkpoint import load_model
+    from sala.engine import Engine
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
+    torch.set_num_threads(n)

@@ -8,8 +8,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from sala.eval.calibration import (
-    DatasetError, Row, analyse, build_calibration, default_source_rows, low_semantic_reason, pack_sequences,
-    quota, read_records, text_column, to_rows,
+    DatasetError,
+    Row,
+    analyse,
+    build_calibration,
+    default_source_rows,
+    low_semantic_reason,
+    pack_sequences,
+    quota,
+    read_records,
+    text_column,
+    to_rows,
 )
 
 WORDS = "apple river keyboard mountain silent orange bottle window candle forest tiger pencil cloud".split()

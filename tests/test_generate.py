@@ -6,11 +6,9 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from pipelines import generate
-from sala.checkpoint import load_model
-from sala.engine import Engine, SamplingParams
+from sala.engine import SamplingParams
 from sala.tiny import heldout_texts
 
 
@@ -34,22 +32,12 @@ def mlflow_store(tmp_path, monkeypatch):
     return uri
 
 
-@pytest.fixture(scope="module")
-def local(tiny_sala_dir):
-    from transformers import AutoTokenizer
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
-    torch.set_num_threads(n)
-
-
 def prompts(tiny_sala_dir, n):
     texts = [t for t in heldout_texts(tiny_sala_dir) if len(t) > 80]
     return [texts[i % len(texts)][: 30 + (i * 7) % 90] for i in range(n)]
 
 
-def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local):
+def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local_engine):
     rows = prompts(tiny_sala_dir, 200)
     lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(rows)]
     lines[57] = '{"id": 57, "prompt": "unterminated'
@@ -67,7 +55,7 @@ def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlfl
     good = table[table[generate.ERROR].isna()]
     assert len(good) == 199 and (good["num_generated_tokens"] <= 4).all()
     assert [json.loads(r)["id"] for r in good["record"]] == [i for i in range(200) if i != 57]
-    expected = local.generate([rows[i] for i in (0, 1, 199)], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
+    expected = local_engine.generate([rows[i] for i in (0, 1, 199)], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
     for i, c in zip((0, 1, 199), expected):
         assert table["generated_text"][i] == c.text
         assert list(table["logprobs"][i]) == pytest.approx([e.logprob for e in c.logprobs], abs=1e-4)
@@ -81,7 +69,7 @@ def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlfl
     assert run.data.metrics["generated_tokens_per_s"] > 0
 
 
-def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local):
+def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local_engine):
     import pyarrow as pa
 
     chats = [[{"role": "user", "content": q}] for q in ("What is a list?", "Explain json.", "Name a module.")]
@@ -92,8 +80,8 @@ def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_st
                           "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5"]) == 0
     table = pq.read_table(str(out)).to_pandas()
     assert list(table["tag"]) == ["a", "b", "c"] and table[generate.ERROR].isna().all()
-    templated = [local.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-    expected = local.generate(templated, SamplingParams(max_tokens=5, temperature=0))
+    templated = [local_engine.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    expected = local_engine.generate(templated, SamplingParams(max_tokens=5, temperature=0))
     assert list(table["generated_text"]) == [c.text for c in expected]
 
 

@@ -3,12 +3,7 @@ the error it saves over RTN on correlated inputs."""
 import pytest
 import torch
 
-from sala.quant.gptq import (
-    HessianAccumulator,
-    gptq_quantize,
-    relative_output_error,
-    relative_weight_error,
-)
+from sala.quant.gptq import HessianAccumulator, gptq_quantize, relative_output_error, relative_weight_error
 from sala.quant.nvfp4 import quantize_column, quantize_rtn
 
 

@@ -3,11 +3,7 @@ compressed-tensors' own quantizer."""
 import numpy as np
 import pytest
 import torch
-from compressed_tensors.compressors import (
-    pack_fp4_to_uint8,
-    quantize_and_pack_fp4,
-    unpack_fp4_from_uint8,
-)
+from compressed_tensors.compressors import pack_fp4_to_uint8, quantize_and_pack_fp4, unpack_fp4_from_uint8
 from compressed_tensors.quantization import preset_name_to_scheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam

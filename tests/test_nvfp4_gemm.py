@@ -7,12 +7,7 @@ import pytest
 import torch
 from compressed_tensors.compressors import unpack_fp4_from_uint8
 
-from kernels.nvfp4_gemm import (
-    nvfp4_dequantize_reference,
-    nvfp4_linear,
-    nvfp4_matmul_reference,
-    nvfp4_matmul_triton,
-)
+from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear, nvfp4_matmul_reference, nvfp4_matmul_triton
 from sala.quant.linear import NVFP4Linear
 from sala.quant.nvfp4 import quantize_rtn
 

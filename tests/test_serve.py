@@ -14,8 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from sala.checkpoint import load_model
-from sala.engine import Engine, SamplingParams
+from sala.engine import SamplingParams
 
 API_KEY = "test-key"
 MODEL = "tiny-sala"
@@ -59,22 +58,11 @@ def http(server):
         yield c
 
 
-@pytest.fixture(scope="module")
-def local(tiny_sala_dir):
-    """The same weights in this process: expected outputs."""
-    from transformers import AutoTokenizer
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
-    torch.set_num_threads(n)
-
-
 PROMPT = "The json module"
 
 
-def greedy_text(local, prompt, n):
-    return local.generate([prompt], SamplingParams(max_tokens=n, temperature=0))[0]
+def greedy_text(local_engine, prompt, n):
+    return local_engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0))[0]
 
 
 def test_models_and_health(http, server):
@@ -82,42 +70,42 @@ def test_models_and_health(http, server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 
-def test_completion_matches_the_engine(client, local):
+def test_completion_matches_the_engine(client, local_engine):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
-    want = greedy_text(local, PROMPT, 12)
+    want = greedy_text(local_engine, PROMPT, 12)
     assert r.choices[0].text == want.text
     assert r.choices[0].finish_reason == {"length": "length", "stop": "stop"}[want.finish_reason]
     assert r.usage.prompt_tokens == len(want.prompt_ids) and r.usage.completion_tokens == len(want.token_ids)
 
 
-def test_chat_matches_the_engine_on_the_chat_template(client, local):
+def test_chat_matches_the_engine_on_the_chat_template(client, local_engine):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a list?"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
-    text = local.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert r.choices[0].message.content == greedy_text(local, text, 10).text
+    text = local_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.choices[0].message.content == greedy_text(local_engine, text, 10).text
     assert r.choices[0].message.role == "assistant"
 
 
-def test_streaming_completion_and_chat(client, local):
+def test_streaming_completion_and_chat(client, local_engine):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     assert len(chunks) > 3
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == greedy_text(local, PROMPT, 12).text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == greedy_text(local_engine, PROMPT, 12).text
     assert chunks[-1].usage.completion_tokens == 12
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
                                             temperature=0, stream=True)
     deltas = [c.choices[0].delta.content or "" for c in stream]
-    text = local.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True)
-    assert "".join(deltas) == greedy_text(local, text, 8).text
+    text = local_engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True)
+    assert "".join(deltas) == greedy_text(local_engine, text, 8).text
 
 
-def test_logprobs_equal_full_forward_log_softmax(client, local):
+def test_logprobs_equal_full_forward_log_softmax(client, local_engine):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=5)
     lp = r.choices[0].logprobs
-    ids = local.encode(PROMPT)
-    want = greedy_text(local, PROMPT, 6).token_ids
+    ids = local_engine.encode(PROMPT)
+    want = greedy_text(local_engine, PROMPT, 6).token_ids
     with torch.no_grad():
-        ref = torch.log_softmax(local.model(torch.tensor([ids + want]), use_cache=False).logits[0], -1)
+        ref = torch.log_softmax(local_engine.model(torch.tensor([ids + want]), use_cache=False).logits[0], -1)
     for step, (tok_lp, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs)):
         row = ref[len(ids) - 1 + step]
         assert abs(tok_lp - row[want[step]].item()) < 1e-4
@@ -138,18 +126,18 @@ def test_n_choices_with_seed(client):
     assert 3 <= r.usage.completion_tokens <= 24
 
 
-def test_generate_with_logprobs(http, local):
-    ids = local.encode(PROMPT)
+def test_generate_with_logprobs(http, local_engine):
+    ids = local_engine.encode(PROMPT)
     r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0},
                                      "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0})
     assert r.status_code == 200, r.text
     body = r.json()
-    want = greedy_text(local, ids, 5)
+    want = greedy_text(local_engine, ids, 5)
     assert body["output_ids"] == want.token_ids and body["text"] == want.text
     meta = body["meta_info"]
     assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 5
     with torch.no_grad():
-        ref = torch.log_softmax(local.model(torch.tensor([ids + want.token_ids]), use_cache=False).logits[0], -1)
+        ref = torch.log_softmax(local_engine.model(torch.tensor([ids + want.token_ids]), use_cache=False).logits[0], -1)
     inp = meta["input_token_logprobs"]
     assert [t for _, t, _ in inp] == ids and inp[0][0] is None
     for pos in range(1, len(ids)):
@@ -158,7 +146,7 @@ def test_generate_with_logprobs(http, local):
         assert tok == want.token_ids[step] and abs(lp - ref[len(ids) - 1 + step, tok].item()) < 1e-4
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
     text = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}).json()
-    assert text["text"] == greedy_text(local, PROMPT, 5).text
+    assert text["text"] == greedy_text(local_engine, PROMPT, 5).text
 
 
 BAD_REQUESTS = [

@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from sala.checkpoint import (
-    CheckpointError, atomic_directory, check_state_dict, load_state_dict, read_config, save_state_dict, write_manifest,
+    CheckpointError,
+    atomic_directory,
+    check_state_dict,
+    load_state_dict,
+    read_config,
+    save_state_dict,
+    write_manifest,
 )
 from sala.quant.nvfp4 import NVFP4Tensor
 

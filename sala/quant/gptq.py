@@ -13,15 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sala.quant.nvfp4 import (
-    GROUP_SIZE,
-    NVFP4Tensor,
-    block_scales,
-    check_weight,
-    global_scale,
-    quantize_column,
-    resolve_amax,
-)
+from sala.quant.nvfp4 import GROUP_SIZE, NVFP4Tensor, block_scales, check_weight, global_scale, quantize_column, resolve_amax
 
 # Dampening retries: 1x, 10x, 100x, 1000x the requested fraction of the mean diagonal.
 DAMP_ATTEMPTS = 4
