@@ -46,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pipelines/quantize.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
-    ap.add_argument("--output", help="checkpoint directory to write (default: $SALA_HOME/quantized/<model>-nvfp4)")
+    ap.add_argument("--output", help="checkpoint directory to write (default: $SALA_HOME/quantized/<model>-nvfp4-<method>-<rule>, "
+                                     "replaced on each run)")
     ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     ap.add_argument("--method", choices=["gptq", "rtn"], default="gptq")
     ap.add_argument("--scale-rule", choices=["6", "4over6"], default="4over6", help="FourOverSix or plain NVFP4")
@@ -407,6 +408,9 @@ def run(args) -> int:
     config = read_config(model_dir)
     name = model_name(args.model, model_dir)
     output = Path(args.output).absolute() if args.output else default_output(name, args)
+    # The default output is a cache slot the bare command reuses (registered versions keep their
+    # own copy in MLflow); an output the user names is never replaced without --overwrite.
+    args.overwrite = args.overwrite or args.output is None
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
