@@ -86,6 +86,23 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
         os.environ["SALA_HOME"] = saved if saved is not None else os.environ.pop("SALA_HOME")
     assert weights_sha(resolved) == weights_sha(out)
 
+    # The registered NVFP4 checkpoint serves: the engine runs its packed W4A16 Linears and
+    # decodes exactly what the model's own full forward decodes greedily.
+    import torch
+
+    from sala.engine import Engine, SamplingParams
+    from sala.quant.linear import NVFP4Linear
+
+    engine = Engine.from_pretrained(resolved)
+    assert isinstance(engine.model.model.layers[3].mlp.down_proj, NVFP4Linear)
+    ids = engine.encode("The for statement")
+    got = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(8):
+            seq.append(int(engine.model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    assert got == seq[len(ids):]
+
 
 def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path):
     out = tmp_path / "resumed"
