@@ -115,7 +115,8 @@ class HessianShard:
         from sala.quant.layerwise import collect_hessians
 
         _torch_threads()
-        self.model = load_model(model_dir, dtype=torch.float32)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = load_model(model_dir, dtype=torch.float32, device=self.device)
         self.accs, _ = collect_hessians(dict(enumerate(self.model.model.layers)))
 
     def __call__(self, batch: dict) -> dict:
@@ -127,17 +128,18 @@ class HessianShard:
                 acc.xtx.zero_()
                 acc.tokens = 0
             with torch.no_grad():
-                self.model(torch.as_tensor(np.stack(ids)), use_cache=False)
+                self.model(torch.as_tensor(np.stack(ids), device=self.device), use_cache=False)
             for (layer, site), acc in self.accs.items():
                 out["shard"].append(int(shard))
                 out["layer"].append(layer)
                 out["site"].append(site)
-                out["xtx"].append(acc.xtx.numpy().ravel().copy())
+                out["xtx"].append(acc.xtx.cpu().numpy().ravel().copy())
                 out["tokens"].append(acc.tokens)
         return out
 
 
-def hessians_parallel(model_dir: Path, seqs: torch.Tensor, shards: int, workers: int) -> dict[int, dict[str, torch.Tensor]]:
+def hessians_parallel(model_dir: Path, seqs: torch.Tensor, shards: int, workers: int,
+                      gpus: float) -> dict[int, dict[str, torch.Tensor]]:
     """One Ray Data pass over the shards; partial sums are reduced in shard order, so the
     result does not depend on which actor finished first."""
     import ray
@@ -147,7 +149,8 @@ def hessians_parallel(model_dir: Path, seqs: torch.Tensor, shards: int, workers:
     chunks = [c for c in torch.tensor_split(seqs, min(shards, len(seqs))) if len(c)]
     ds = ray.data.from_items([{"shard": i, "ids": c.numpy()} for i, c in enumerate(chunks)])
     parts = ds.map_batches(HessianShard, fn_constructor_kwargs={"model_dir": str(model_dir)}, batch_size=1,
-                           compute=ray.data.ActorPoolStrategy(size=min(workers, len(chunks))), num_cpus=1).take_all()
+                           compute=ray.data.ActorPoolStrategy(size=min(workers, len(chunks))), num_cpus=1,
+                           num_gpus=1 if gpus else 0).take_all()
     accs: dict[tuple[int, str], HessianAccumulator] = {}
     for p in sorted(parts, key=lambda p: (p["layer"], p["site"], p["shard"])):
         k = int(len(p["xtx"]) ** 0.5)
@@ -272,7 +275,7 @@ def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: La
             os.kill(os.getpid(), signal.SIGINT)
 
     if args.mode == "parallel":
-        hessians = {} if args.method == "rtn" else hessians_parallel(model_dir, seqs, args.shards, workers)
+        hessians = {} if args.method == "rtn" else hessians_parallel(model_dir, seqs, args.shards, workers, gpus)
         pending = {}
         for i, layer in enumerate(layers):
             if i not in results:
@@ -424,7 +427,9 @@ def run(args) -> int:
     resources = init_ray(num_cpus=args.workers)
     workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
     setup_mlflow(args.experiment)
-    model = load_model(model_dir, dtype=torch.float32)
+    # Sequential mode propagates calibration inputs in this driver process: on its GPU if it has
+    # one (`ray job submit --entrypoint-num-gpus 1`), else on CPU.
+    model = load_model(model_dir, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
     store = LayerStore(output.with_name(f".{output.name}.layers"), fingerprint(args, model_dir, seqs))
     register_name = args.register_name or f"{name}-nvfp4"
 

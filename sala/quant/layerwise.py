@@ -70,7 +70,7 @@ def collect_hessians(layers: dict[int, nn.Module]) -> tuple[dict[tuple[int, str]
         named = dict(layer.named_modules())
         for site, groups in layer_groups(layer).items():
             first = named[groups[0][0]]
-            acc = HessianAccumulator(first.in_features)
+            acc = HessianAccumulator(first.in_features, device=first.weight.device)
             accs[(idx, site)] = acc
             handles.append(first.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0].detach())))
     return accs, handles
@@ -135,8 +135,9 @@ def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[i
     newly quantized layer (progress, checkpointing of partial results).
     """
     results = dict(finished or {})
+    seqs = seqs.to(model.model.embed_tokens.weight.device)
     h = model.model.embed_tokens(seqs) * model.config.scale_emb
-    positions = torch.arange(seqs.shape[1]).expand(seqs.shape[0], -1)
+    positions = torch.arange(seqs.shape[1], device=seqs.device).expand(seqs.shape[0], -1)
     for i, layer in enumerate(model.model.layers):
         if i not in results:
             accs, handles = collect_hessians({i: layer})
@@ -144,7 +145,7 @@ def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[i
                 layer(h, positions, None, None, seqs.shape[1])
             for hd in handles:
                 hd.remove()
-            hessians = {site: acc.hessian(f"model.layers.{i} {site}") for (_, site), acc in accs.items()}
+            hessians = {site: acc.hessian(f"model.layers.{i} {site}").cpu() for (_, site), acc in accs.items()}
             results[i] = quantize_fn(i, layer_weights(layer), hessians, layer_groups(layer))
             if on_layer is not None:
                 on_layer(i, results[i])
