@@ -123,6 +123,31 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_b
     return names
 
 
+def write_checkpoint(
+    target: str | os.PathLike,
+    config,
+    state: dict[str, torch.Tensor],
+    generation_config=None,
+    tokenizer=None,
+    *,
+    overwrite: bool = False,
+    producer: dict | None = None,
+    metrics: dict | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write config, weights, generation config, tokenizer and manifest into `target` atomically."""
+    target = Path(target)
+    with atomic_directory(target, overwrite=overwrite) as tmp:
+        config.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        save_state_dict(state, tmp, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_manifest(tmp, producer, metrics)
+    return target.absolute()
+
+
 def save_checkpoint(
     model,
     target: str | os.PathLike,
@@ -135,22 +160,13 @@ def save_checkpoint(
     max_shard_bytes: int = 4 << 30,
 ) -> Path:
     """Save a SALAForCausalLM (config, weights, tokenizer, generation config, manifest) atomically."""
-    target = Path(target)
-    with atomic_directory(target, overwrite=overwrite) as tmp:
-        state = model.state_dict()
-        if dtype is not None:
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        config = model.config
-        if dtype is not None:
-            config.dtype = dtype
-        config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_state_dict(state, tmp, max_shard_bytes)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_manifest(tmp, producer, metrics)
-    return target.absolute()
+    state = model.state_dict()
+    config = model.config
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        config = type(config).from_dict({**config.to_dict(), "dtype": dtype})
+    return write_checkpoint(target, config, state, getattr(model, "generation_config", None), tokenizer,
+                            overwrite=overwrite, producer=producer, metrics=metrics, max_shard_bytes=max_shard_bytes)
 
 
 def read_config(path: str | os.PathLike) -> SALAConfig:

@@ -16,15 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sala.checkpoint import (
-    CheckpointError,
-    atomic_directory,
-    check_state_dict,
-    load_state_dict,
-    read_config,
-    save_state_dict,
-    write_manifest,
-)
+from sala.checkpoint import CheckpointError, check_state_dict, load_state_dict, read_config, write_checkpoint
 from sala.quant.nvfp4 import NVFP4Tensor
 
 if TYPE_CHECKING:
@@ -119,17 +111,10 @@ def export_checkpoint(
     config = model.config.to_dict()
     config["quantization_config"] = quantization_config(ignore, act_order)
     config["dtype"] = "bfloat16"
-    target = Path(target)
-    with atomic_directory(target, overwrite=overwrite) as tmp:
-        type(model.config).from_dict(config).save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_state_dict(state, tmp, max_shard_bytes)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_manifest(tmp, {"name": "sala.quant", "format": FORMAT, "scale_rule": scale_rule, "method": method,
-                             "act_order": act_order, **(producer or {})}, metrics)
-    return target.absolute()
+    return write_checkpoint(target, type(model.config).from_dict(config), state, getattr(model, "generation_config", None),
+                            tokenizer, overwrite=overwrite, max_shard_bytes=max_shard_bytes, metrics=metrics,
+                            producer={"name": "sala.quant", "format": FORMAT, "scale_rule": scale_rule, "method": method,
+                                      "act_order": act_order, **(producer or {})})
 
 
 def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu",
