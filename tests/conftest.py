@@ -4,6 +4,7 @@ Triton kernels run on CPU through the interpreter; the variable must be set befo
 imports triton, which is why it lives here and not in a fixture.
 """
 import os
+import socket
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -47,3 +48,10 @@ def local_engine(tiny_sala_dir):
     torch.set_num_threads(1)
     yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
     torch.set_num_threads(n)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

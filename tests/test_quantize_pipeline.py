@@ -5,13 +5,14 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "2", "--eval-sequences", "6", "--max-kl", "0.5"]
@@ -160,17 +161,11 @@ def test_unreachable_mlflow_and_ray(env, tiny_sala_dir):
     assert r.returncode == 2 and "cannot reach Ray" in r.stderr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
     # Ray 2.60 clusters use token auth: the head and the job client share this token.
     e = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     ray_bin = str(Path(sys.executable).parent / "ray")
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     start = subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",

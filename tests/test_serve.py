@@ -5,7 +5,6 @@ itself checked against the model's full forward in test_engine.py) and, for logp
 full forward directly.
 """
 import json
-import socket
 import time
 
 import httpx
@@ -15,15 +14,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from sala.engine import SamplingParams
+from tests.conftest import free_port
 
 API_KEY = "test-key"
 MODEL = "tiny-sala"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
