@@ -1,0 +1,278 @@
+"""Decode attention over a paged K/V pool: one query token per sequence, GQA.
+
+K/V live in pages of ``page_size`` tokens, ``[num_pages, page_size, Hkv, D]``; a sequence's
+block table row lists its pages in order, so token t sits at page ``block_tables[b, t //
+page_size]``, row ``t % page_size``. Only keys 0..context_len-1 count.
+
+The Triton kernel (flash decoding) runs one program per (sequence, kv head, context split):
+
+- per kv head, not per query head, because all Hq/Hkv query heads of a group read the same
+  K/V: one program loads each K/V tile once for the whole group (16 query heads per kv head
+  in the 9B model) instead of once per query head, and the group's queries form the rows of a
+  ``tl.dot`` tile (padded to 16, the least tl.dot takes) rather than 16 separate GEMVs;
+- split over the context because B * Hkv programs alone is 2 at batch 1 in the 9B model, for
+  132 SMs: each program covers ``split_len`` tokens with an fp32 online softmax and writes its
+  unnormalised output, running max and sum; a second kernel merges the splits of each query
+  head in split order. The split length is a fixed number of tokens, not a function of the
+  batch, so a sequence's result does not depend on what else is in the batch (engine.md,
+  Determinism); with one split the first kernel writes the output itself, bit-identical to the
+  merge of one split.
+
+The grid is sized from shapes only (block_tables' width), never from context_lens' values, so
+the call is CUDA-graph capturable; programs whose split starts past their sequence's context do
+nothing, and the loop inside a program stops at the context, so a block table far wider than
+the contexts costs only empty programs.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs may lack triton; the torch reference still works
+    triton = None
+
+BLOCK_N = 64  # keys per loop iteration: a [64, 128] bf16 K tile is 16 KiB
+SPLIT_LEN = 256  # tokens per program: 128 KiB of K+V per kv head at D = 128, vs 8 KiB of partials (16 heads)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> tuple[int, int, int, int, int]:
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q [B, Hq, D] and k/v caches [pages, page_size, Hkv, D], got q {tuple(q.shape)}, "
+                         f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    b, hq, d = q.shape
+    _, page_size, hkv, dk = k_cache.shape
+    if dk != d or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}: head dims must match "
+                         "and Hq must be a multiple of Hkv")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must be [B, max_pages] and [B] for B = {b}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the caches are {k_cache.dtype} / {v_cache.dtype}")
+    return b, hq, d, page_size, hkv
+
+
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """The torch reference: gather each sequence's pages into [B, max_pages * page_size, Hkv, D],
+    mask keys at or past its context length, and attend in fp32 (cast back to q's dtype at the
+    end, so bf16 results are as accurate as bf16 can hold). Shapes are static and there is no
+    host sync, so it compiles (the engine's CPU decode step runs it under torch.compile)."""
+    b, hq, d, _, hkv = _check(q, k_cache, v_cache, block_tables, context_lens)
+    pages = block_tables.reshape(-1).long()
+    # index_select, not advanced indexing, which is much slower on CPU.
+    k = k_cache.index_select(0, pages).view(b, -1, hkv, d)
+    v = v_cache.index_select(0, pages).view(b, -1, hkv, d)
+    valid = torch.arange(k.shape[1], device=q.device) < context_lens.reshape(b, 1)
+    o = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2),  # [B, Hq, 1, D]
+        k.float().transpose(1, 2),  # [B, Hkv, L, D]
+        v.float().transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,  # query head h reads kv head h // (Hq // Hkv)
+    )
+    return o.squeeze(2).to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
+        scale, split_len,
+        stride_qb, stride_qh, stride_qd,
+        stride_kp, stride_kt, stride_kh, stride_kd,
+        stride_vp, stride_vt, stride_vh, stride_vd,
+        stride_btb, stride_btp,
+        stride_ob, stride_oh, stride_os, stride_od,
+        stride_mb, stride_mh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, UPCAST: tl.constexpr,
+        OFF64: tl.constexpr, SAME_STRIDES: tl.constexpr,
+    ):  # fmt: skip
+        """Program (b, kv head, split): the GROUP query heads of that kv head over tokens
+        [split * split_len, min(context, (split + 1) * split_len)). PARTIAL: store the
+        unnormalised output at o_ptr + split * stride_os and the running max / sum at m_ptr /
+        l_ptr; otherwise store the normalised output in o's dtype."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(len_ptr + b)
+        start = split * split_len
+        end = tl.minimum(ctx, start + split_len)
+        rh = tl.arange(0, BLOCK_H)
+        h_ok = rh < GROUP
+        heads = kvh * GROUP + rh
+        rd = tl.arange(0, BLOCK_D)
+        d_ok = rd < HEAD_DIM
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + rd[None, :] * stride_qd,
+            mask=h_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            page = tl.load(bt_ptr + b * stride_btb + (t // PAGE_SIZE) * stride_btp, mask=t_ok, other=0)
+            # int32 offsets unless the pool needs more: the [BLOCK_N, BLOCK_D] offset tile is
+            # what fills the registers (see num_warps in paged_decode_attention_triton).
+            page = page.to(tl.int64) if OFF64 else page.to(tl.int32)
+            row = t % PAGE_SIZE
+            kv_ok = t_ok[:, None] & d_ok[None, :]
+            k_off = (page * stride_kp + row * stride_kt + kvh * stride_kh)[:, None] + rd[None, :] * stride_kd
+            if SAME_STRIDES:  # K and V pools laid out alike (the usual case) share one offset tile
+                v_off = k_off
+            else:
+                v_off = (page * stride_vp + row * stride_vt + kvh * stride_vh)[:, None] + rd[None, :] * stride_vd
+            k = tl.load(k_ptr + k_off, mask=kv_ok, other=0.0)
+            # V's load is issued before the QK dot so both tiles are in flight at once.
+            v = tl.load(v_ptr + v_off, mask=kv_ok, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_ok[None, :], s * scale, float("-inf"))
+            # Every block holds at least one valid key (t0 < end), so m_new is finite and no
+            # exp(-inf - -inf) arises; the first block's alpha is exp(-inf) = 0.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if UPCAST:
+                # The GPU rounds p to the cache dtype for the tensor-core dot; keep that rounding.
+                p = p.to(v_ptr.dtype.element_ty).to(tl.float32)
+                v = v.to(tl.float32)
+            if DOT_FP32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = o_ptr + b * stride_ob + heads[:, None] * stride_oh + rd[None, :] * stride_od
+        if PARTIAL:
+            # Splits starting past the context store nothing: the merge never reads them. (A
+            # per-head vector, not a scalar: the interpreter rejects a scalar bool & a block.)
+            live = h_ok & (start + rh * 0 < ctx)
+            tl.store(out + split * stride_os, acc, mask=live[:, None] & d_ok[None, :])
+            ml = b * stride_mb + heads * stride_mh + split
+            tl.store(m_ptr + ml, m_i, mask=live)
+            tl.store(l_ptr + ml, l_i, mask=live)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(out, o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _merge_splits_kernel(
+        acc_ptr, m_ptr, l_ptr, len_ptr, o_ptr, split_len,
+        stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh, stride_od,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Program (b, query head): o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
+        splits that hold keys, merged in split order."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        rd = tl.arange(0, BLOCK_D)
+        d_ok = rd < HEAD_DIM
+        live = (tl.load(len_ptr + b) + split_len - 1) // split_len
+        ml = m_ptr + b * stride_mb + h * stride_mh
+        ll = l_ptr + b * stride_mb + h * stride_mh
+        aa = acc_ptr + b * stride_ab + h * stride_ah + rd
+        # Split 0 always holds a key (context >= 1): start from it, so every m is finite.
+        m_run = tl.load(ml)
+        l_run = tl.load(ll)
+        acc = tl.load(aa, mask=d_ok, other=0.0)
+        for s in range(1, live):
+            m_s = tl.load(ml + s)
+            m_new = tl.maximum(m_run, m_s)
+            c_run = tl.exp(m_run - m_new)
+            c_s = tl.exp(m_s - m_new)
+            acc = acc * c_run + tl.load(aa + s * stride_as, mask=d_ok, other=0.0) * c_s
+            l_run = l_run * c_run + tl.load(ll + s) * c_s
+            m_run = m_new
+        tl.store(o_ptr + b * stride_ob + h * stride_oh + rd * stride_od, (acc / l_run).to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _span(t: torch.Tensor) -> int:
+    """One past the largest element offset a strided tensor reaches."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
+def paged_decode_attention_triton(
+    q, k_cache, v_cache, block_tables, context_lens, scale: float, *, split_len: int = SPLIT_LEN
+) -> torch.Tensor:
+    """The Triton flash-decoding kernel; same contract as ``paged_decode_attention``.
+    ``split_len``: tokens per program (tests and benchmarks vary it; results depend on it only
+    through summation order)."""
+    b, hq, d, page_size, hkv = _check(q, k_cache, v_cache, block_tables, context_lens)
+    if split_len < 1:
+        raise ValueError(f"split_len must be positive, got {split_len}")
+    group = hq // hkv
+    o = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    splits = triton.cdiv(block_tables.shape[1] * page_size, split_len)
+    # fp32 caches get exact fp32 dots (not TF32). Triton's interpreter multiplies bf16 tl.dot
+    # operands as raw uint16 bit patterns (triton-lang/triton#11584), so under it bf16 and
+    # fp16 operands are widened to fp32 first: q and K exactly, p after rounding to the cache
+    # dtype as the GPU does, summed in fp32 as the tensor cores do.
+    upcast = q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
+    dot_fp32 = q.dtype == torch.float32 or upcast
+    off64 = max(_span(k_cache), _span(v_cache)) >= 2**31
+    meta = dict(
+        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=BLOCK_N,
+        DOT_FP32=dot_fp32, UPCAST=upcast, OFF64=off64, SAME_STRIDES=k_cache.stride() == v_cache.stride(),
+        # Registers per thread from ptxas (Triton 3.9, sm_90, D = 128, BLOCK_N = 64): bf16/fp16
+        # with int32 offsets 238 at 4 warps, no spills; int64 offsets spill at 4 warps (80 B)
+        # and fp32 spills badly (4 KiB), while 8 warps take 234 (int64) and 197 (fp32), no
+        # spills. Not yet timed on a GPU.
+        num_warps=8 if off64 or q.dtype == torch.float32 else 4,
+    )  # fmt: skip
+    common = (
+        q.stride(0), q.stride(1), q.stride(2),
+        *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), block_tables.stride(1),
+    )  # fmt: skip
+    if splits == 1:
+        _paged_decode_kernel[(b, hkv, 1)](
+            q, k_cache, v_cache, block_tables, context_lens, o, o, o, scale, split_len,
+            *common, o.stride(0), o.stride(1), 0, o.stride(2), 0, 0, PARTIAL=False, **meta,
+        )  # fmt: skip
+        return o
+    # Sized from shapes only (no host sync), so the call stays CUDA-graph capturable.
+    acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    _paged_decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, m, l_, scale, split_len,
+        *common, acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), m.stride(0), m.stride(1),
+        PARTIAL=True, **meta,
+    )  # fmt: skip
+    _merge_splits_kernel[(b, hq)](
+        acc, m, l_, context_lens, o, split_len,
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
+    )  # fmt: skip
+    return o
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] (fp32, bf16 or fp16); k_cache, v_cache: [num_pages, page_size, Hkv, D] (same dtype as q);
+    block_tables: [B, max_pages] int32 or int64 (entry j = page holding tokens j*page_size .. (j+1)*page_size-1;
+    entries past a sequence's last page are arbitrary valid page ids, e.g. 0);
+    context_lens: [B] int32/int64, >= 1: keys 0..len-1 are valid.
+    Hq is a multiple of Hkv (query head h reads kv head h // (Hq // Hkv)).
+    Returns o [B, Hq, D] in q's dtype, softmax(q k^T * scale) v over each sequence's valid keys, fp32 accumulation.
+
+    Triton kernel on CUDA, torch reference elsewhere."""
+    if q.is_cuda and triton is not None:
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
