@@ -2,13 +2,25 @@
 
 W [N, K] arrives as packed E2M1 codes uint8 [N, K/2] (low nibble = even k), FP8 E4M3 group
 scales [N, K/16] and an fp32 global scale in the encode direction:
-W[n, k] = E2M1[code] * scale[n, k // 16] / global.
+W[n, k] = E2M1[code] * scale[n, k // 16] / global[n].
+The global scale is a [1] tensor (one per weight) or an [N] tensor (one per output row), the
+latter for fused projections whose parts were quantized with different global scales and
+concatenated along N.
 
 The kernel dequantizes a [BLOCK_N, BLOCK_K] tile in registers and feeds ``tl.dot``. It applies
 the global scale once to the fp32 accumulator instead of to every weight: E2M1 (2 significant
 bits) times FP8 E4M3 (4 bits) is exact in bf16/fp16, so the dot sees the weight without any
 rounding and only the final rescale differs from the reference, by fp32 rounding.
+
+Two schedules. Tiled: one program per [BLOCK_M, BLOCK_N] output tile, looping over all of K.
+Split-K, for M <= 16 (decode): the tiled grid there is only N / 64 programs (64 at N = 4096,
+for 132 SMs on an H100/H200), too few to keep HBM busy, so K is also cut into ``splits``
+ranges, each program writes an fp32 partial sum, and a second kernel adds the partials in a
+fixed order (deterministic: no atomics), divides by the global scale, adds the bias and casts.
+The number of splits depends on N, K and the SM count only, never on M, so a row's result
+does not change with how many other rows (up to 16) share the call.
 """
+import functools
 import os
 
 import torch
@@ -24,6 +36,11 @@ E2M1_VALUES = torch.tensor(
     dtype=torch.float32,
 )
 GROUP_SIZE = 16
+BLOCK_N, BLOCK_K = 64, 64
+SPLIT_K_MAX_M = 16  # up to here a decode batch fits one 16-row tl.dot tile: the split-K regime
+PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
+# The interpreter has no SMs; a small fixed count makes the tests' small shapes split 2-3 ways.
+INTERPRETER_SM_COUNT = 4
 
 
 if triton is not None:
@@ -31,49 +48,128 @@ if triton is not None:
     @triton.jit
     def _nvfp4_matmul_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr,
-        M, N, K,
-        stride_xm, stride_xk, stride_wn, stride_sn, stride_ym,
-        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+        M, N, K, K_PER_SPLIT,
+        stride_xm, stride_xk, stride_wn, stride_sn, stride_ym, stride_ys, stride_g,
+        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PARTIAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        """Output tile (pid_m, pid_n) summed over K range pid_k. PARTIAL: store the raw fp32
+        sum at y_ptr + pid_k * stride_ys (the reduce kernel finishes it); otherwise divide by
+        the global scale, add the bias and store in y's dtype."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
         n_ok = rn < N
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            x = tl.load(
-                x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0,
+        for k0 in range(k_start, k_end, BLOCK_K):
+            # Each packed byte is loaded once and its two nibbles go to two dots, against the
+            # even and the odd columns of x: loading [BLOCK_N, BLOCK_K] codes byte by byte
+            # instead (each byte twice) took 255 registers on sm_90, 360 bytes of spills at
+            # BLOCK_M = 64; this takes 165 / 225 and none (ptxas, Triton 3.9). K is a multiple
+            # of 16 and so is k_end, so a byte's two columns are in range together.
+            rj = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            j_ok = 2 * rj < k_end
+            x_ok = m_ok[:, None] & j_ok[None, :]
+            x_even = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * rj)[None, :] * stride_xk, mask=x_ok, other=0.0)
+            x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * rj + 1)[None, :] * stride_xk, mask=x_ok, other=0.0)
+            w_ok = n_ok[:, None] & j_ok[None, :]
+            byte = tl.load(w_ptr + rn[:, None] * stride_wn + rj[None, :], w_ok, other=0)
+            # Group g = column // 16 = byte // 8.
+            scale = tl.load(s_ptr + rn[:, None] * stride_sn + (rj // 8)[None, :], w_ok, other=0.0).to(tl.float32)
+            for half in tl.static_range(2):  # low nibble = even column, high = odd
+                code = (byte >> (4 * half)) & 0xF
+                # E2M1 decode: exponent e = bits 1..2, mantissa m = bit 0; e == 0 is subnormal
+                # (m / 2), otherwise 2^(e-1) * (1 + m/2) = (2 + m) * 2^e / 4.
+                e = (code >> 1) & 3
+                m = (code & 1).to(tl.float32)
+                mag = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+                w = tl.where((code & 8) != 0, -mag, mag) * scale
+                x = x_even if half == 0 else x_odd
+                if DOT_FP32:
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:
+            tl.store(y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc, mask=out_ok)
+        else:
+            # stride_g is 0 for a [1] global scale, 1 for an [N] one.
+            acc = acc / tl.load(g_ptr + rn * stride_g, mask=n_ok, other=1.0)[None, :]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(
+                y_ptr + rm[:, None] * stride_ym + rn[None, :],
+                acc.to(y_ptr.dtype.element_ty),
+                mask=out_ok,
             )
-            w_ok = n_ok[:, None] & k_ok[None, :]
-            # Each byte is loaded for both of its columns; the second load hits cache.
-            byte = tl.load(w_ptr + rn[:, None] * stride_wn + (rk // 2)[None, :], w_ok, other=0)
-            code = (byte >> ((rk % 2) * 4)[None, :]) & 0xF
-            scale = tl.load(s_ptr + rn[:, None] * stride_sn + (rk // 16)[None, :], w_ok, other=0.0)
-            # E2M1 decode: exponent e = bits 1..2, mantissa m = bit 0; e == 0 is subnormal (m / 2),
-            # otherwise 2^(e-1) * (1 + m/2) = (2 + m) * 2^e / 4.
-            e = (code >> 1) & 3
-            m = (code & 1).to(tl.float32)
-            mag = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
-            w = tl.where((code & 8) != 0, -mag, mag) * scale.to(tl.float32)
-            if DOT_FP32:
-                acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        acc = acc / tl.load(g_ptr)
+
+    @triton.jit
+    def _split_k_reduce_kernel(
+        p_ptr, g_ptr, b_ptr, y_ptr,
+        N, SPLITS, stride_ps, stride_pm, stride_ym, stride_g,
+        HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """y[m, n] = (sum over splits, in split order, of partial[s, m, n]) / global + bias."""
+        pid_m = tl.program_id(0)
+        rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, SPLITS):
+            acc += tl.load(p_ptr + s * stride_ps + pid_m * stride_pm + rn, mask=n_ok, other=0.0)
+        acc = acc / tl.load(g_ptr + rn * stride_g, mask=n_ok, other=1.0)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            y_ptr + rm[:, None] * stride_ym + rn[None, :],
-            acc.to(y_ptr.dtype.element_ty),
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + pid_m * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    # Cached: the device query costs microseconds, as much as the decode GEMV itself.
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; INTERPRETER_SM_COUNT anywhere else."""
+    if device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_k_schedule(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """(splits, K columns per split) for an [m, k] x [k, n] call on a device with `sms` SMs.
+
+    M > 16 keeps the tiled schedule (one split). Below, aim for PROGRAMS_PER_SM programs per
+    SM: cut K into as many BLOCK_K-aligned ranges as the N tiles leave room for, never more
+    than there are K blocks. Depends on shapes only, so a CUDA graph captures it."""
+    k_blocks = _cdiv(k, BLOCK_K)
+    if m > SPLIT_K_MAX_M:
+        return 1, k_blocks * BLOCK_K
+    return _splits_of(k_blocks, _cdiv(PROGRAMS_PER_SM * sms, _cdiv(n, BLOCK_N)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _splits_of(k_blocks: int, want: int) -> tuple[int, int]:
+    """At most `want` (>= 1) BLOCK_K-aligned K ranges of equal length, the last maybe shorter:
+    (how many, columns each)."""
+    per_split = _cdiv(k_blocks, max(1, min(want, k_blocks)))
+    return _cdiv(k_blocks, per_split), per_split * BLOCK_K
+
+
+def _global_scale_stride(global_scale: torch.Tensor, n: int) -> int:
+    """0 when one global scale covers the weight ([1]); for one per output row ([N]), its stride."""
+    if global_scale.numel() == 1:
+        return 0
+    if global_scale.shape != (n,):
+        raise ValueError(f"global scale of shape {tuple(global_scale.shape)}: expected [1] or [{n}] (one per output row)")
+    return global_scale.stride(0)
 
 
 def nvfp4_matmul_triton(
@@ -82,8 +178,13 @@ def nvfp4_matmul_triton(
     scale: torch.Tensor,
     global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (bf16, fp16 or fp32) -> y [M, N] in x's dtype, through the Triton kernel."""
+    """x [M, K] (bf16, fp16 or fp32) -> y [M, N] in x's dtype, through the Triton kernel.
+
+    ``split_k``: None picks the schedule (split-K for M <= 16, see ``split_k_schedule``); 1
+    forces the tiled schedule; s > 1 forces s-way split-K (benchmarks and tests)."""
     m, k = x.shape
     n = packed.shape[0]
     if k != 2 * packed.shape[1] or scale.shape != (n, k // GROUP_SIZE):
@@ -91,25 +192,47 @@ def nvfp4_matmul_triton(
             f"activations [{m}, {k}] do not match packed weight {tuple(packed.shape)} "
             f"and scales {tuple(scale.shape)}"
         )
+    stride_g = _global_scale_stride(global_scale, n)
     packed, scale = packed.contiguous(), scale.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if split_k is None:
+        splits, k_per_split = split_k_schedule(m, n, k, sm_count(x.device))
+    else:
+        splits, k_per_split = _splits_of(_cdiv(k, BLOCK_K), split_k)
     # tl.dot needs at least 16 rows; decode (M = 1) pays for the padding in compute, not in
     # memory traffic, which is what bounds it.
     block_m = 16 if m <= 16 else 64
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     # fp32 activations get an exact fp32 dot (not TF32). Triton's interpreter multiplies bf16
     # operands of tl.dot as raw uint16 bit patterns (triton-lang/triton#11584), so under it a
     # bf16 dot runs in fp32 too: the same products (both operands are exact in bf16), summed
     # in fp32 as the tensor cores do.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     dot_fp32 = x.dtype == torch.float32 or (interpreted and x.dtype == torch.bfloat16)
+    b_arg = bias if bias is not None else y  # never read without HAS_BIAS
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), splits)
+    if splits == 1:
+        _nvfp4_matmul_kernel[grid](
+            x, packed, scale, global_scale, b_arg, y,
+            m, n, k, k_per_split,
+            x.stride(0), x.stride(1), packed.stride(0), scale.stride(0), y.stride(0), 0, stride_g,
+            HAS_BIAS=bias is not None, DOT_FP32=dot_fp32, PARTIAL=False,
+            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        )  # fmt: skip
+        return y
+    # Sized from shapes only (no host sync), so the call stays CUDA-graph capturable.
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _nvfp4_matmul_kernel[grid](
-        x, packed, scale, global_scale, bias if bias is not None else y, y,
-        m, n, k,
-        x.stride(0), x.stride(1), packed.stride(0), scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, DOT_FP32=dot_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, packed, scale, global_scale, b_arg, partial,
+        m, n, k, k_per_split,
+        x.stride(0), x.stride(1), packed.stride(0), scale.stride(0), partial.stride(1), partial.stride(0), stride_g,
+        HAS_BIAS=False, DOT_FP32=dot_fp32, PARTIAL=True,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    reduce_block = 256
+    _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
+        partial, global_scale, b_arg, y,
+        n, splits, partial.stride(0), partial.stride(1), y.stride(0), stride_g,
+        HAS_BIAS=bias is not None, BLOCK=reduce_block,
     )  # fmt: skip
     return y
 
@@ -117,9 +240,12 @@ def nvfp4_matmul_triton(
 def nvfp4_dequantize_reference(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
 ) -> torch.Tensor:
-    """fp32 [N, K] weight: E2M1[code] * (scale / global), compressed-tensors' order."""
+    """fp32 [N, K] weight: E2M1[code] * (scale / global), compressed-tensors' order. The
+    global scale is [1] or [N] (one per output row)."""
+    _global_scale_stride(global_scale, packed.shape[0])
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-    step = (scale.float() / global_scale.float()).repeat_interleave(GROUP_SIZE, dim=-1)
+    # [1] -> [1, 1] broadcasts as before; [N] -> [N, 1] scales each row by its own.
+    step = (scale.float() / global_scale.float().reshape(-1, 1)).repeat_interleave(GROUP_SIZE, dim=-1)
     # index_select, not advanced indexing, which is orders of magnitude slower on CPU.
     values = E2M1_VALUES.to(packed.device).index_select(0, codes.flatten().int())
     return values.view(codes.shape) * step
@@ -145,7 +271,8 @@ def nvfp4_linear(
     global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W^T (+ bias): Triton kernel on CUDA, torch reference elsewhere."""
+    """y [..., N] = x [..., K] @ W^T (+ bias): Triton kernel on CUDA, torch reference elsewhere.
+    global_scale is [1] or [N]."""
     x2 = x.reshape(-1, x.shape[-1])
     if x.is_cuda and triton is not None:
         y = nvfp4_matmul_triton(x2, packed, scale, global_scale, bias)

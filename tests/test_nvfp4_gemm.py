@@ -1,13 +1,24 @@
 """W4A16 NVFP4 matmul: the Triton kernel (interpreted on CPU) against the torch reference, the
 reference against compressed-tensors and float64, and the quantized Linear around them."""
+import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from compressed_tensors.compressors import unpack_fp4_from_uint8
 
-from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear, nvfp4_matmul_reference, nvfp4_matmul_triton
+from kernels.nvfp4_gemm import (
+    BLOCK_K,
+    BLOCK_N,
+    nvfp4_dequantize_reference,
+    nvfp4_linear,
+    nvfp4_matmul_reference,
+    nvfp4_matmul_triton,
+    sm_count,
+    split_k_schedule,
+)
 from sala.quant.linear import NVFP4Linear
 from sala.quant.nvfp4 import quantize_rtn
 
@@ -37,11 +48,41 @@ def test_kernel_decodes_every_code():
     assert y[0].tolist() == [v / 2 for v in HAND_TABLE]
 
 
-@pytest.mark.parametrize("m", [1, 7, 64])
+def exact_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g: torch.Tensor, bias=None):
+    """x @ W^T + bias in float64 from the codes, independent of the kernel and the reference:
+    E2M1 * scale / global, with the per-row global scale when g is [N]."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
+    w = torch.tensor(HAND_TABLE, dtype=torch.float64)[codes]
+    w = w * scale.double().repeat_interleave(16, -1) / g.double().reshape(-1, 1)
+    y = x.double() @ w.T
+    return (y + bias.double() if bias is not None else y), w
+
+
+def schedule_bound(x: torch.Tensor, w: torch.Tensor, bias, m: int) -> torch.Tensor:
+    """Worst-case |kernel - exact| for the schedule the kernel picks at M = m. Each K block is
+    two tl.dots of BLOCK_K / 2 columns (even and odd), each added to the accumulator (the
+    interpreter runs np.matmul(a, b) + acc). So a product reaches the output through at most
+    BLOCK_K / 2 - 1 additions inside its dot, two per K block of its split, SPLITS - 1 in the
+    reduce, then the division by the global scale, the bias addition and (fp32 activations)
+    its own rounding, each one fp32 rounding (2^-24 relative):
+    (BLOCK_K / 2 + 2 * blocks per split + SPLITS + 1) * 2^-24 * (|x| @ |w|^T + |b|).
+    At K = 144 that is 32 + 6 + 1 + 1 = 40 roundings tiled and 32 + 2 + 3 + 1 = 38 split three
+    ways: split-K shortens the chain, and both stay far inside the K + 2 = 146 of
+    fp32_rounding_bound, which the comparisons with the reference keep using unchanged."""
+    k = x.shape[-1]
+    splits, per_split = split_k_schedule(m, w.shape[0], k, sm_count(x.device))
+    depth = BLOCK_K // 2 + 2 * (per_split // BLOCK_K) + splits + 1
+    mag = x.double().abs() @ w.abs().T + (bias.double().abs() if bias is not None else 0)
+    return depth * 2.0**-24 * mag
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64])  # split-K up to 16 rows, tiled above
 @pytest.mark.parametrize("n, k", [(64, 128), (80, 144)])  # block multiples, and not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_reference(m, n, k, dtype):
     q, packed, scale, g = quantized_weight(n, k, seed=m + n)
+    splits, _ = split_k_schedule(m, n, k, sm_count(torch.device("cpu")))
+    assert (splits > 1) == (m <= 16), "these shapes must exercise the path their M selects"
     x = torch.randn(m, k).to(dtype)
     bias = torch.randn(n).to(dtype)
     exact = nvfp4_matmul_reference(x.float(), packed, scale, g, bias.float())
@@ -50,14 +91,140 @@ def test_kernel_equals_reference(m, n, k, dtype):
     assert y.dtype == dtype and y.shape == (m, n)
     if dtype == torch.float32:
         err = (y - exact).abs()
-        print(f"\nfp32 M={m} N={n} K={k}: max |kernel - reference| {err.max():.2e}")
+        exact64, w64 = exact_product(x, packed, scale, g, bias)
+        err64 = (y.double() - exact64).abs()
+        print(f"\nfp32 M={m} N={n} K={k} splits={splits}: max |kernel - reference| {err.max():.2e}, "
+              f"|kernel - float64| {err64.max():.2e}")
         assert (err <= bound + 1e-30).all()
+        assert (err64 <= schedule_bound(x, w64, bias, m)).all()
     else:
         # The only extra step is the final rounding of the fp32 result to bf16. The GPU rounds
         # to nearest (half an ulp); the interpreter truncates (triton runtime/interpreter.py,
         # _convert_float), so allow one ulp, which is at most 2^-7 of the value.
         assert ((y.float() - exact).abs() <= exact.abs() * 2.0**-7 + bound).all()
         assert torch.equal(nvfp4_matmul_reference(x, packed, scale, g, bias), exact.to(dtype))
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 99])  # 99 is capped at K / BLOCK_K = 3 splits
+def test_forced_schedules_agree_with_the_reference(split_k):
+    # The benchmark runs the tiled schedule (split_k=1) and the split one side by side at M = 1.
+    q, packed, scale, g = quantized_weight(80, 144, seed=11)
+    x = torch.randn(1, 144)
+    y = nvfp4_matmul_triton(x, packed, scale, g, split_k=split_k)
+    exact = nvfp4_matmul_reference(x, packed, scale, g)
+    assert ((y - exact).abs() <= fp32_rounding_bound(x, q.dequantize())).all()
+
+
+def test_split_k_rows_do_not_depend_on_the_batch():
+    # Splits depend on N, K and the SM count only, and every M <= 16 pads to the same 16-row
+    # tile, so a decode row's result is the same alone or beside 15 others, bit for bit.
+    _, packed, scale, g = quantized_weight(80, 144, seed=12)
+    x = torch.randn(16, 144).bfloat16()
+    together = nvfp4_matmul_triton(x, packed, scale, g)
+    assert torch.equal(nvfp4_matmul_triton(x[:1], packed, scale, g), together[:1])
+    assert torch.equal(nvfp4_matmul_triton(x[5:8], packed, scale, g), together[5:8])
+
+
+def load_bench():
+    """bench/nvfp4_gemm_gpu.py as a module (bench/ is not a package); importing it runs nothing."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "nvfp4_gemm_gpu.py"
+    spec = importlib.util.spec_from_file_location("nvfp4_gemm_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_split_k_schedule_fills_the_gpu_on_the_9b_shapes():
+    # The benchmark's shapes, the 9B model's linears: fused q/k/v/gate, fused gate/up, down,
+    # o_proj; 132 SMs (H100 SXM / H200).
+    shapes = [(k, sum(parts)) for _, k, parts in load_bench().SHAPES]
+    assert shapes == [(4096, 8704), (4096, 32768), (16384, 4096), (4096, 4096)]
+    for k, n in shapes:
+        splits, per_split = split_k_schedule(1, n, k, 132)
+        programs = splits * -(-n // BLOCK_N)
+        assert 3 * 132 <= programs <= 2048, (k, n, splits)
+        assert per_split % BLOCK_K == 0 and (splits - 1) * per_split < k <= splits * per_split
+        assert split_k_schedule(16, n, k, 132) == (splits, per_split)
+        assert split_k_schedule(17, n, k, 132)[0] == 1
+
+
+def test_bench_fused_weight_is_what_the_kernel_and_reference_take():
+    # The benchmark's fused weights (parts with their own global scales, [N] scale) on CPU.
+    packed, scale, g, w_bf16 = load_bench().fused_weight(64, [16, 48], device="cpu")
+    assert g.shape == (64,) and g[0] != g[-1]
+    assert torch.equal(nvfp4_dequantize_reference(packed, scale, g).bfloat16(), w_bf16)
+    x = torch.randn(1, 64).bfloat16()
+    ref = nvfp4_matmul_reference(x, packed, scale, g)
+    for split_k in (1, None):  # the two schedules the benchmark times at M = 1
+        assert (nvfp4_matmul_triton(x, packed, scale, g, split_k=split_k).float() - ref.float()).abs().max() <= (
+            2.0**-7 * ref.float().abs().max()
+        )
+
+
+def test_bench_exits_with_one_line_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the bench would run for real")
+    bench = Path(__file__).resolve().parents[1] / "bench" / "nvfp4_gemm_gpu.py"
+    run = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+# ---- per-row global scales (fused projections) ----------------------------------------------
+
+
+def fused_pair(n1: int, n2: int, k: int):
+    """Two weights quantized on their own (global scales 30x apart), concatenated along N as a
+    fused projection is, with one global scale per output row."""
+    torch.manual_seed(n1 + n2)
+    a = quantize_rtn(torch.randn(n1, k) * 0.1)
+    b = quantize_rtn(torch.randn(n2, k) * 3.0)
+    assert not torch.equal(a.global_scale, b.global_scale)
+    packed = torch.cat([a.packed(), b.packed()])
+    scale = torch.cat([a.scale, b.scale])
+    g = torch.cat([a.global_scale.expand(n1), b.global_scale.expand(n2)])
+    return a, b, packed, scale, g
+
+
+def test_reference_per_row_global_scale_is_the_concatenation():
+    a, b, packed, scale, g = fused_pair(24, 40, 64)
+    w = nvfp4_dequantize_reference(packed, scale, g)
+    assert torch.equal(w, torch.cat([a.dequantize(), b.dequantize()]))
+    x = torch.randn(5, 64)
+    y = nvfp4_matmul_reference(x, packed, scale, g)
+    parts = torch.cat([nvfp4_matmul_reference(x, a.packed(), a.scale, a.global_scale),
+                       nvfp4_matmul_reference(x, b.packed(), b.scale, b.global_scale)], dim=1)
+    diff = (y - parts).abs()
+    print(f"\nreference, [N] global scale vs concatenated parts: max diff {diff.max():.2e}")
+    assert (diff <= fp32_rounding_bound(x, w)).all()
+    # The dispatch (the reference on CPU) takes it too, with leading dims.
+    assert torch.equal(nvfp4_linear(x[None], packed, scale, g)[0], y)
+
+
+@pytest.mark.parametrize("m", [1, 17])  # split-K and tiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_per_row_global_scale_is_the_concatenation(m, dtype):
+    # n1 = 48 puts the boundary between the two weights inside a 64-column tile.
+    a, b, packed, scale, g = fused_pair(48, 40, 144)
+    x = torch.randn(m, 144).to(dtype)
+    bias = torch.randn(88).to(dtype)
+    y = nvfp4_matmul_triton(x, packed, scale, g, bias)
+    parts = torch.cat([nvfp4_matmul_triton(x, a.packed(), a.scale, a.global_scale, bias[:48]),
+                       nvfp4_matmul_triton(x, b.packed(), b.scale, b.global_scale, bias[48:])], dim=1)
+    exact = nvfp4_matmul_reference(x.float(), packed, scale, g, bias.float())
+    bound = fp32_rounding_bound(x, torch.cat([a.dequantize(), b.dequantize()])).float()
+    slack = exact.abs() * 2.0**-7 if dtype == torch.bfloat16 else 0.0  # as in test_kernel_equals_reference
+    print(f"\n{dtype} M={m}: [N] global scale vs concatenated parts: max diff "
+          f"{(y.float() - parts.float()).abs().max():.2e}, vs reference {(y.float() - exact).abs().max():.2e}")
+    assert torch.equal(y, parts)  # each output column sees the same sums either way
+    assert ((y.float() - exact).abs() <= slack + bound).all()
+
+
+def test_global_scale_of_another_length_is_rejected():
+    _, packed, scale, _ = quantized_weight(32, 64, seed=8)
+    for fn in (nvfp4_matmul_triton, nvfp4_matmul_reference):
+        with pytest.raises(ValueError, match="expected \\[1\\] or \\[32\\]"):
+            fn(torch.randn(2, 64), packed, scale, torch.ones(31))
 
 
 def test_kernel_strided_activations_and_no_bias():
@@ -152,10 +319,30 @@ def test_linear_dtype_cast_keeps_quantized_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 128])
-def test_kernel_on_gpu(m):
+@pytest.mark.parametrize("split_k", [None, 1])  # the schedule M picks (split-K up to 16), and tiled
+def test_kernel_on_gpu(m, split_k):
     q, packed, scale, g = quantized_weight(4096, 4096, seed=m)
     x = torch.randn(m, 4096, dtype=torch.bfloat16)
     exact = nvfp4_matmul_reference(x.float(), packed, scale, g)
-    y = nvfp4_linear(x.cuda(), packed.cuda(), scale.cuda(), g.cuda()).cpu()
+    y = nvfp4_matmul_triton(x.cuda(), packed.cuda(), scale.cuda(), g.cuda(), split_k=split_k).cpu()
     bound = fp32_rounding_bound(x, q.dequantize()).float()
     assert ((y.float() - exact).abs() <= exact.abs() * 2.0**-8 + bound).all()  # half a bf16 ulp
+
+
+@pytest.mark.gpu
+def test_split_k_on_gpu_with_per_row_global_scale_under_a_cuda_graph():
+    a, b, packed, scale, g = (t.cuda() if isinstance(t, torch.Tensor) else t for t in fused_pair(2048, 2048, 4096))
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert split_k_schedule(1, 4096, 4096, sm_count(x.device))[0] > 1
+    eager = nvfp4_linear(x, packed, scale, g)
+    exact = nvfp4_matmul_reference(x.float(), packed, scale, g)
+    bound = fp32_rounding_bound(x.cpu(), torch.cat([a.dequantize(), b.dequantize()]).cpu()).float().cuda()
+    assert ((eager.float() - exact).abs() <= exact.abs() * 2.0**-8 + bound).all()
+    out = torch.empty_like(eager)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(nvfp4_linear(x, packed, scale, g))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)  # no atomics: the split-K sum is deterministic
