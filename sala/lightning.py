@@ -71,7 +71,8 @@ def _intra_chunk_decay(g: torch.Tensor, c: int) -> torch.Tensor:
     return torch.exp(expo)
 
 
-def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_size: int = 64):
+def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_size: int = 64,
+            lengths: torch.Tensor | None = None):
     """Chunk-parallel form: within a chunk of C tokens starting from state S, with b_i = (i+1) g,
 
     o_i = scale * [ exp(b_i) q_i^T S + sum_{j<=i} exp(b_i - b_j) (q_i . k_j) v_j ]
@@ -80,6 +81,8 @@ def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_s
     The intra-chunk terms of all chunks are batched matmuls; only the state hand-off from
     chunk to chunk is a loop (T / C small steps). The sequence is zero-padded to whole chunks:
     padding adds nothing to outputs, and the final state is taken at the true last token.
+    `lengths` [B] (a batch of right-padded sequences of different lengths, each with k = v = 0
+    past its end): the final state of sequence b is taken after its own lengths[b] tokens.
     """
     s0 = _zero_state(q, v) if state is None else state
     b, h, t_total, dk = q.shape
@@ -106,8 +109,26 @@ def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_s
     start_states = torch.stack(starts, dim=2)  # state entering each chunk
     inter = (qc * torch.exp(gh[..., None] * pos[:, None])) @ start_states
     out = (intra + inter).reshape(b, h, n * c, dv)[:, :, :t_total]
+    if lengths is not None:
+        return out, _final_state_at(lengths, start_states, kc, vc, g)
     # Final state after the true last token (the last chunk may be shorter than C).
     last = c - pad
     w = torch.exp(gh * (last - pos[:last]).view(1, 1, -1, 1))  # [1, H, last, 1]
     final = torch.exp(g * last).view(1, h, 1, 1) * starts[-1] + (kc[:, :, -1, :last] * w).transpose(-1, -2) @ vc[:, :, -1, :last]
     return out, final
+
+
+def _final_state_at(lengths, start_states, kc, vc, g):
+    """State after token lengths[b] - 1 of each sequence: from the state entering that token's
+    chunk, plus the chunk's tokens up to it (later tokens weighted 0)."""
+    b, h, _, c, _ = kc.shape
+    rows = torch.arange(b, device=kc.device)
+    chunk = (lengths - 1) // c
+    used = ((lengths - 1) % c + 1).to(kc.dtype)  # tokens of that chunk up to the last one
+    dist = used[:, None] - 1 - torch.arange(c, device=kc.device, dtype=kc.dtype)  # [B, C]
+    gh = g.view(1, h, 1)
+    expo = torch.where(dist[:, None] >= 0, gh * dist[:, None], torch.full_like(gh * dist[:, None], float("-inf")))
+    w = torch.exp(expo)[..., None]  # [B, H, C, 1]
+    k_last, v_last = kc[rows, :, chunk], vc[rows, :, chunk]  # [B, H, C, D]
+    s_in = start_states[rows, :, chunk]  # [B, H, Dk, Dv]
+    return torch.exp(gh[..., None] * used.view(b, 1, 1, 1)) * s_in + (k_last * w).transpose(-1, -2) @ v_last

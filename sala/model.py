@@ -5,9 +5,11 @@ Layers mix two mixers:
 - "lightning-attn" layers: linear attention with per-head decay, QK-norm, RoPE, output norm and
   gate, one fp32 recurrent state per sequence.
 
-Parameter names equal the real checkpoint's. Each attention module splits into `project`
-(input -> q, k, v) and `finish` (attention output -> residual branch), so the serving engine
-can run its own cache and batching between the two without copying the layer math.
+Parameter names equal the real checkpoint's. There is one forward for two callers: transformers
+(batches [B, T] with a contiguous SALACache) and the serving engine, which passes a step context
+(sala/context.py: slot mapping, page tables, state slots, prompt spans) with all of a step's
+tokens as one row; each mixer then reads and writes the engine's K/V and state pools itself.
+For serving, `fuse_projections` turns q/k/v/gate and gate/up into one GEMM each.
 
 For contexts of at least `sparse_config.dense_len` tokens the official sparse layers switch to
 InfLLM-v2 block selection; this implementation always attends densely, which is exact below
@@ -21,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from kernels.paged_attention import paged_decode_attention
 from sala import lightning
 from sala.config import LIGHTNING, SALAConfig
 
@@ -63,14 +67,37 @@ class Fp32Constants:
         return self._by_device[device][name]
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """NeoX rotate-half RoPE, computed in fp32 and cast back. x: [B, H, T, D], positions: [B, T]."""
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin [B, 1, T, D] for positions [B, T]: computed once a forward, read by every layer."""
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """NeoX rotate-half RoPE, computed in fp32 and cast back. x: [B, H, T, D]."""
+    cos, sin = rope
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * emb.cos() + rotated * emb.sin()).to(x.dtype)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One Linear computing all of `parts` side by side (outputs concatenated), or None when
+    they are of different kinds. Packed NVFP4 Linears bring their own `concat`."""
+    kind = type(parts[0])
+    if any(type(p) is not kind for p in parts):
+        return None
+    if hasattr(kind, "concat"):
+        return kind.concat(parts)
+    w = parts[0].weight
+    has_bias = parts[0].bias is not None
+    fused = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts), bias=has_bias, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(w.requires_grad)
 
 
 class MLP(nn.Module):
@@ -79,74 +106,134 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = None
+
+    def fuse(self) -> None:
+        """gate and up as one GEMM (the serving engine calls this at load); a no-op once fused."""
+        if self.gate_up_proj is not None:
+            return
+        fused = concat_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class QKVOProjections(nn.Module):
-    """The four projections both mixers share; `heads` splits q, k, v into [B, H, T, D]."""
+    """The projections both mixers share: q, k, v, an optional output gate (`gate_name`) read
+    from the layer input, and o. `heads` returns q, k, v as [B, H, T, D] and the gate's logits."""
 
-    def __init__(self, config: SALAConfig, n_heads: int, n_kv: int, head_dim: int):
+    gate_name = ""
+
+    def __init__(self, config: SALAConfig, layer_idx: int, n_heads: int, n_kv: int, head_dim: int, gated: bool):
         super().__init__()
-        self.config = config
+        self.config, self.layer_idx = config, layer_idx
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         hs, d = config.hidden_size, head_dim
         self.q_proj = nn.Linear(hs, n_heads * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(hs, n_kv * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(hs, n_kv * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(n_heads * d, hs, bias=False)
+        self.gated = gated
+        if gated:
+            setattr(self, self.gate_name, nn.Linear(hs, n_heads * d, bias=False))
+        self.qkvg_proj = None
+        self.split_sizes = [n_heads * d, n_kv * d, n_kv * d] + ([n_heads * d] if gated else [])
+
+    def fuse(self) -> None:
+        """q, k, v and the gate as one GEMM (the serving engine calls this at load); a no-op once fused."""
+        if self.qkvg_proj is not None:
+            return
+        names = ["q_proj", "k_proj", "v_proj"] + ([self.gate_name] if self.gated else [])
+        fused = concat_linears([getattr(self, n) for n in names])
+        if fused is not None:
+            self.qkvg_proj = fused
+            for n in names:
+                delattr(self, n)
 
     def heads(self, x: torch.Tensor):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return q, k, v
+        if self.qkvg_proj is not None:
+            q, k, v, *gate = self.qkvg_proj(x).split(self.split_sizes, dim=-1)
+            gate = gate[0] if gate else None
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            gate = getattr(self, self.gate_name)(x) if self.gated else None
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return q, k, v, gate
 
 
 class SparseAttention(QKVOProjections):
     """The "minicpm4" mixer: GQA softmax attention, NoPE by default, sigmoid output gate."""
 
-    def __init__(self, config: SALAConfig):
-        super().__init__(config, config.num_attention_heads, config.num_key_value_heads,
-                         config.hidden_size // config.num_attention_heads)
-        if config.attn_use_output_gate:
-            self.o_gate = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.consts = Fp32Constants(inv_freq=rope_inv_freq(self.head_dim, config.rope_theta))
+    gate_name = "o_gate"
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x: [B, T, hidden] (normalised layer input) -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
-        q, k, v = self.heads(x)
+    def __init__(self, config: SALAConfig, layer_idx: int):
+        super().__init__(config, layer_idx, config.num_attention_heads, config.num_key_value_heads,
+                         config.hidden_size // config.num_attention_heads, config.attn_use_output_gate)
+
+    def forward(self, x, rope, cache: SALACache | None, key_mask: torch.Tensor | None, context=None):
+        q, k, v, gate = self.heads(x)
         if self.config.attn_use_rope:
-            inv_freq = self.consts.get("inv_freq", x.device)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        return q, k, v
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if context is not None:
+            o = self.attend_step(q, k, v, context)
+        else:
+            o = self.attend_batch(q, k, v, cache, key_mask)
+        o = o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+        if gate is not None:  # the gate reads the normalised layer input, not the residual
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
 
-    def finish(self, attn_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """attn_out: [B, T, hidden]; the gate reads the normalised layer input x, not the residual."""
-        if self.config.attn_use_output_gate:
-            attn_out = attn_out * torch.sigmoid(self.o_gate(x))
-        return self.o_proj(attn_out)
-
-    def forward(self, x, positions, cache: SALACache | None, layer_idx: int, key_mask: torch.Tensor | None):
-        q, k, v = self.project(x, positions)
+    def attend_batch(self, q, k, v, cache: SALACache | None, key_mask: torch.Tensor | None):
+        """[B, T] batches with a contiguous per-batch cache (the transformers path)."""
         past = 0
         if cache is not None:
-            past = cache.kv_length(layer_idx)
-            k, v = cache.append_kv(layer_idx, k, v)
+            past = cache.kv_length(self.layer_idx)
+            k, v = cache.append_kv(self.layer_idx, k, v)
         if k.shape[2] >= self.config.sparse_config["dense_len"]:
             _warn_dense_fallback(k.shape[2], self.config.sparse_config["dense_len"])
         gqa = self.n_heads != self.n_kv
         if key_mask is None and (past == 0 or q.shape[2] == 1):
             # No padding, and either a fresh prefill or one decode token: the flash path needs no
             # materialised mask (is_causal aligns top-left, which is right only when past == 0).
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and q.shape[2] > 1, enable_gqa=gqa)
-        else:
-            mask = causal_mask(q.shape[2], k.shape[2], past, key_mask, q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
-        return self.finish(o, x)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and q.shape[2] > 1, enable_gqa=gqa)
+        mask = causal_mask(q.shape[2], k.shape[2], past, key_mask, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def attend_step(self, q, k, v, ctx):
+        """One engine step's flat rows (q [1, Hq, N, D]) over the paged K/V pool; see sala/context.py."""
+        k_pages, v_pages = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]  # [pages, page_size, Hkv, D]
+        k_rows, v_rows = k_pages.view(-1, self.n_kv, self.head_dim), v_pages.view(-1, self.n_kv, self.head_dim)
+        k_rows.index_copy_(0, ctx.slot_mapping, k[0].transpose(0, 1).to(k_rows.dtype))
+        v_rows.index_copy_(0, ctx.slot_mapping, v[0].transpose(0, 1).to(v_rows.dtype))
+        gqa = self.n_heads != self.n_kv
+        outs = []
+        if ctx.num_decode and not ctx.decode_spans:
+            q_dec = q[0, :, : ctx.num_decode].transpose(0, 1)
+            o = paged_decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, self.head_dim**-0.5)
+            outs.append(o.transpose(0, 1))  # [Hq, n_decode, D]
+        for span in ctx.decode_spans + ctx.prefills:
+            end = span.start + span.length
+            if span.past == 0:  # a fresh prompt: its own K/V, causal flash path
+                ks, vs = k[:, :, span.start : end], v[:, :, span.start : end]
+                mask = None
+            else:
+                ks = k_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
+                vs = v_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
+                mask = causal_mask(span.length, span.past + span.length, span.past, None, q.device) if span.length > 1 else None
+            o = F.scaled_dot_product_attention(q[:, :, span.start : end], ks, vs, attn_mask=mask,
+                                               is_causal=mask is None and span.length > 1, enable_gqa=gqa)
+            outs.append(o[0])
+        return _rows_with_padding(outs, q)
 
 
 _warned_dense = False
@@ -174,33 +261,40 @@ def causal_mask(t_q: int, t_k: int, past: int, key_mask: torch.Tensor | None, de
     return mask
 
 
+def _rows_with_padding(outs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Per-part outputs [H, rows, D] in row order -> [1, H, N, D]; rows past the last part are
+    padding (rows added only to round the batch up) and get zeros."""
+    covered = sum(o.shape[1] for o in outs)
+    n = like.shape[2]
+    if covered < n:
+        outs.append(like.new_zeros(like.shape[1], n - covered, like.shape[3]))
+    return torch.cat(outs, dim=1)[None] if len(outs) > 1 else outs[0][None]
+
+
 class LightningAttention(QKVOProjections):
     """The "lightning-attn" mixer: QK-norm, RoPE, fp32 decayed linear attention, output norm and gate."""
 
-    def __init__(self, config: SALAConfig):
-        super().__init__(config, config.lightning_nh, config.lightning_nkv, config.lightning_head_dim)
+    gate_name = "z_proj"
+
+    def __init__(self, config: SALAConfig, layer_idx: int):
+        super().__init__(config, layer_idx, config.lightning_nh, config.lightning_nkv, config.lightning_head_dim,
+                         config.use_output_gate)
         d = self.head_dim
-        if config.use_output_gate:
-            self.z_proj = nn.Linear(config.hidden_size, self.n_heads * d, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         if config.use_output_norm:
             self.o_norm = RMSNorm(self.n_heads * d, config.rms_norm_eps)
-        self.consts = Fp32Constants(inv_freq=rope_inv_freq(d, config.rope_theta), log_decay=lightning.log_decay(self.n_heads))
+        self.consts = Fp32Constants(log_decay=lightning.log_decay(self.n_heads))
         self.scale = config.lightning_q_scale
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, token_mask: torch.Tensor | None = None):
-        """x: [B, T, hidden] -> fp32 q, k, v [B, H, T, D] with k, v repeated to the query heads.
-
-        Tokens where token_mask is 0 (left padding) get k = v = 0, so they leave the state untouched.
-        """
-        q, k, v = self.heads(x)
+    def forward(self, x, rope, cache: SALACache | None, token_mask: torch.Tensor | None, context=None):
+        """Tokens where token_mask is 0 (left padding) get k = v = 0, so they leave the state untouched."""
+        q, k, v, gate = self.heads(x)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.config.lightning_use_rope:
-            inv_freq = self.consts.get("inv_freq", x.device)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         rep = self.n_heads // self.n_kv
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -208,33 +302,54 @@ class LightningAttention(QKVOProjections):
         if token_mask is not None:
             keep = token_mask[:, None, :, None].to(k.dtype)
             k, v = k * keep, v * keep
-        return q, k, v
-
-    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o: fp32 [B, H, T, D] -> residual branch [B, T, hidden] in the model dtype."""
+        g = self.consts.get("log_decay", q.device)
+        if context is not None:
+            o = self.attend_step(q, k, v, g, context)
+        else:
+            state = cache.states.get(self.layer_idx) if cache is not None else None
+            if q.shape[2] == 1 and state is not None:
+                o, state = lightning.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g, self.scale, state)
+                o = o[:, :, None]
+            else:
+                o, state = lightning.chunked(q, k, v, g, self.scale, state)
+            if cache is not None:
+                cache.states[self.layer_idx] = state
         b, _, t, _ = o.shape
         o = o.transpose(1, 2).reshape(b, t, -1).to(x.dtype)
         if self.config.use_output_norm:
             o = self.o_norm(o)
-        if self.config.use_output_gate:
-            o = o * torch.sigmoid(self.z_proj(x))
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
-    def attend(self, q, k, v, state: torch.Tensor | None):
-        """Linear attention from `state`; one-step update for single tokens, chunked form otherwise."""
-        g = self.consts.get("log_decay", q.device)
-        if q.shape[2] == 1 and state is not None:
-            o, s = lightning.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g, self.scale, state)
-            return o[:, :, None], s
-        return lightning.chunked(q, k, v, g, self.scale, state)
-
-    def forward(self, x, positions, cache: SALACache | None, layer_idx: int, token_mask: torch.Tensor | None):
-        q, k, v = self.project(x, positions, token_mask)
-        state = cache.states.get(layer_idx) if cache is not None else None
-        o, new_state = self.attend(q, k, v, state)
-        if cache is not None:
-            cache.states[layer_idx] = new_state
-        return self.finish(o, x)
+    def attend_step(self, q, k, v, g, ctx):
+        """One engine step's flat rows (fp32 q, k, v [1, H, N, D]) against the state pool, updated in place by slot."""
+        states = ctx.cache.states[self.layer_idx]  # [slots, H, Dk, Dv]
+        outs = []
+        nd = ctx.num_decode
+        if nd:
+            q_dec, k_dec, v_dec = (t[0, :, :nd].transpose(0, 1) for t in (q, k, v))  # [n_decode, H, D]
+            o, s = lightning.step(q_dec, k_dec, v_dec, g, self.scale, states.index_select(0, ctx.state_slots))
+            states.index_copy_(0, ctx.state_slots, s)
+            outs.append(o.transpose(0, 1))
+        spans = ctx.prefills
+        if len(spans) == 1 or (spans and ctx.batch_invariant):
+            # One span at a time: the exact shapes a request would see alone.
+            for span in spans:
+                part = slice(span.start, span.start + span.length)
+                o, s = lightning.chunked(q[:, :, part], k[:, :, part], v[:, :, part], g, self.scale, states[span.state_slot][None])
+                states[span.state_slot] = s[0]
+                outs.append(o[0])
+        elif spans:
+            # Several prompt chunks as one zero-padded batch, each from its own state.
+            first, lengths = spans[0].start, [s.length for s in spans]
+            padded = [pad_sequence(t[0, :, first : first + sum(lengths)].transpose(0, 1).split(lengths), batch_first=True)
+                      .transpose(1, 2) for t in (q, k, v)]  # [R, H, T_max, D]
+            o, s = lightning.chunked(*padded, g, self.scale, states.index_select(0, ctx.prefill_state_slots),
+                                     lengths=ctx.prefill_lengths)
+            states.index_copy_(0, ctx.prefill_state_slots, s)
+            outs += [o[i, :, :n] for i, n in enumerate(lengths)]
+        return _rows_with_padding(outs, q)
 
 
 class DecoderLayer(nn.Module):
@@ -242,20 +357,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_lightning = config.layer_kinds[layer_idx] == LIGHTNING
-        self.self_attn = LightningAttention(config) if self.is_lightning else SparseAttention(config)
+        self.self_attn = LightningAttention(config, layer_idx) if self.is_lightning else SparseAttention(config, layer_idx)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_scale = config.residual_scale
 
-    def forward(self, h, positions, cache, mask_2d, t):
+    def forward(self, h, rope, cache, mask_2d, t, context=None):
         x = self.input_layernorm(h)
-        if self.is_lightning:
-            token_mask = None if mask_2d is None else mask_2d[:, -t:]
-            a = self.self_attn(x, positions, cache, self.layer_idx, token_mask)
-        else:
-            a = self.self_attn(x, positions, cache, self.layer_idx, mask_2d)
-        h = h + a * self.residual_scale
+        mask = mask_2d if mask_2d is None or not self.is_lightning else mask_2d[:, -t:]
+        h = h + self.self_attn(x, rope, cache, mask, context) * self.residual_scale
         return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_scale
 
 
@@ -313,20 +424,35 @@ class SALAModel(SALAPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Both mixers rotate head_dim-wide heads with one theta (SALAConfig checks it): one table.
+        self.rope_consts = Fp32Constants(inv_freq=rope_inv_freq(config.head_dim, config.rope_theta))
+        self.uses_rope = config.attn_use_rope or config.lightning_use_rope
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None, context=None):
+        """[B, T] batches with an optional SALACache (transformers' path), or, with a step
+        `context` (sala/context.py), one engine step's tokens as a single row [1, N]."""
         if inputs_embeds is None:
             # muP: the embedding is scaled; embeddings passed in directly are not (as in the reference).
             inputs_embeds = self.embed_tokens(input_ids) * self.config.scale_emb
         h = inputs_embeds
         b, t = h.shape[:2]
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
+        if context is not None:
+            position_ids = context.positions[None]
+        elif position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
             position_ids = positions_from(attention_mask, b, t, past, h.device)
+        rope = rope_tables(position_ids, self.rope_consts.get("inv_freq", h.device)) if self.uses_rope else None
         for layer in self.layers:
-            h = layer(h, position_ids, cache, attention_mask, t)
+            h = layer(h, rope, cache, attention_mask, t, context)
         return self.norm(h)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v/gate and gate/up into one GEMM each, in place. Parameter names change, so
+        this is for serving; checkpoints are written from unfused models."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
 
 def positions_from(attention_mask, b: int, t: int, past: int, device) -> torch.Tensor:

@@ -1,18 +1,24 @@
 """The engine's memory: a paged K/V pool for the sparse layers, a state pool for lightning layers.
 
-Sparse layers keep K and V for every past token. They live in one flat tensor per layer,
-[num_pages * page_size, kv_heads, head_dim], handed out in pages; a request owns a list of
-pages, and `slots` maps each of its positions to a row of that tensor. Every layer has its own
-storage dtype (the KV plan's hook: bf16 today, fp8 / nvfp4 formats plug in here), converted to
-the compute dtype on read.
+Sparse layers keep K and V for every past token, in one tensor per layer
+[num_pages + 1, page_size, kv_heads, head_dim] handed out a page at a time as a sequence grows;
+a request owns a list of pages (its page table). Every layer has its own storage dtype (the KV
+plan's hook: the compute dtype today, fp8 / nvfp4 formats plug in here).
 
 Lightning layers keep one fp32 state [heads, d_k, d_v] per request per layer, whatever the
-sequence length, in [max_seqs, heads, d_k, d_v] tensors; a request owns one index into them.
+sequence length, in [max_seqs + 1, heads, d_k, d_v] tensors; a request owns one slot.
 
-Admission reserves pages for the prompt plus max_tokens, so a running request never runs out
-of memory and nothing needs preempting; finishing or cancelling returns everything at once.
+The last page and the last state slot are scratch: padding rows of a step (added to round a
+batch up) write there, so every row of a step is a valid write and a captured CUDA graph
+needs no branches.
+
+`plan_memory` sizes both pools from a byte budget: the state pool first takes what
+`max_seqs` sequences need (for the 9B model 48 MiB a sequence, so at short contexts states,
+not K/V, bound concurrency), after keeping room for one request of `max_model_len` tokens.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -20,69 +26,108 @@ from sala.engine.request import Request
 
 
 class CacheFull(RuntimeError):
-    """A request that cannot fit even in an empty cache."""
+    """A budget that cannot hold one request of full length, or a request larger than the cache."""
+
+
+def kv_bytes_per_token(config, kv_dtypes: dict[int, torch.dtype]) -> int:
+    """K and V of one token across all sparse layers."""
+    return sum(2 * config.num_key_value_heads * config.head_dim * kv_dtypes[i].itemsize for i in config.sparse_layers)
+
+
+def state_bytes_per_seq(config) -> int:
+    """The fp32 recurrent states of one sequence across all lightning layers."""
+    return len(config.lightning_layers) * config.lightning_nh * config.lightning_head_dim**2 * 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    page_size: int
+    num_pages: int
+    max_seqs: int
+    kv_bytes_per_token: int
+    state_bytes_per_seq: int
+    max_model_len: int
+
+    @property
+    def max_kv_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def describe(self) -> str:
+        return (f"cache budget {self.budget_bytes / 2**20:.0f} MiB: {self.max_kv_tokens} K/V tokens "
+                f"({self.kv_bytes_per_token} B a token) in {self.num_pages} pages of {self.page_size}, "
+                f"states for {self.max_seqs} sequences ({self.state_bytes_per_seq / 2**20:.2f} MiB each)")
+
+
+def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, page_size: int,
+                kv_dtypes: dict[int, torch.dtype]) -> MemoryPlan:
+    kv_token, state = kv_bytes_per_token(config, kv_dtypes), state_bytes_per_seq(config)
+    page = page_size * kv_token
+    one_full = -(-max_model_len // page_size) * page  # K/V of one request of max_model_len tokens
+    if budget_bytes < one_full + state:
+        raise CacheFull(f"a cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one request of max_model_len="
+                        f"{max_model_len} tokens ({(one_full + state) / 2**20:.1f} MiB of K/V and state): raise the "
+                        f"budget (memory_bytes / gpu_memory_utilization) or lower max_model_len")
+    seqs = int(min(max_seqs, (budget_bytes - one_full) // state)) if state else max_seqs
+    pages = int((budget_bytes - seqs * state) // max(page, 1))
+    return MemoryPlan(budget_bytes, page_size, pages, seqs, kv_token, state, max_model_len)
 
 
 class CachePool:
-    def __init__(self, config, memory_bytes: int, max_seqs: int, page_size: int = 64,
-                 compute_dtype: torch.dtype = torch.float32, kv_dtypes: dict[int, torch.dtype] | None = None,
-                 device: str | torch.device = "cpu"):
-        self.page_size = page_size
+    def __init__(self, config, plan: MemoryPlan, compute_dtype: torch.dtype, kv_dtypes: dict[int, torch.dtype],
+                 device: torch.device):
+        self.plan, self.page_size, self.device = plan, plan.page_size, device
         self.compute_dtype = compute_dtype
-        self.device = torch.device(device)
-        d, n_kv = config.head_dim, config.num_key_value_heads
-        dtypes = {i: (kv_dtypes or {}).get(i, compute_dtype) for i in config.sparse_layers}
+        n_kv, d = config.num_key_value_heads, config.head_dim
+        shape = (plan.num_pages + 1, plan.page_size, n_kv, d)
+        self.k = {i: torch.zeros(shape, dtype=kv_dtypes[i], device=device) for i in config.sparse_layers}
+        self.v = {i: torch.zeros(shape, dtype=kv_dtypes[i], device=device) for i in config.sparse_layers}
         h, dl = config.lightning_nh, config.lightning_head_dim
-        state_bytes = max_seqs * len(config.lightning_layers) * h * dl * dl * 4
-        page_bytes = sum(2 * page_size * n_kv * d * t.itemsize for t in dtypes.values())
-        self.num_pages = (memory_bytes - state_bytes) // max(page_bytes, 1)
-        if self.num_pages < 1:
-            raise CacheFull(f"memory budget of {memory_bytes} bytes holds the states of {max_seqs} sequences "
-                            f"({state_bytes} bytes) but not one K/V page ({page_bytes} bytes)")
-        rows = self.num_pages * page_size
-        self.k = {i: torch.zeros(rows, n_kv, d, dtype=t, device=self.device) for i, t in dtypes.items()}
-        self.v = {i: torch.zeros(rows, n_kv, d, dtype=t, device=self.device) for i, t in dtypes.items()}
-        self.states = {i: torch.zeros(max_seqs, h, dl, dl, device=self.device) for i in config.lightning_layers}
-        self.free_pages = list(range(self.num_pages - 1, -1, -1))
-        self.free_state_slots = list(range(max_seqs - 1, -1, -1))
+        self.states = {i: torch.zeros(plan.max_seqs + 1, h, dl, dl, device=device) for i in config.lightning_layers}
+        self.scratch_page, self.scratch_slot = plan.num_pages, plan.max_seqs
+        self.free_pages = list(range(plan.num_pages - 1, -1, -1))
+        self.free_state_slots = list(range(plan.max_seqs - 1, -1, -1))
 
     @property
     def max_tokens(self) -> int:
-        return self.num_pages * self.page_size
+        return self.plan.max_kv_tokens
 
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
-    def can_allocate(self, req: Request) -> bool:
-        return bool(self.free_state_slots) and len(self.free_pages) >= self.pages_for(req.capacity)
+    def can_admit(self, n_tokens: int) -> bool:
+        return bool(self.free_state_slots) and len(self.free_pages) >= self.pages_for(n_tokens)
 
-    def allocate(self, req: Request) -> None:
-        n = self.pages_for(req.capacity)
-        req.pages = [self.free_pages.pop() for _ in range(n)]
+    def admit(self, req: Request) -> None:
+        """A state slot, zeroed so that a prompt starts from the empty state."""
         req.state_slot = self.free_state_slots.pop()
-        pos = torch.arange(req.capacity, device=self.device)
-        pages = torch.tensor(req.pages, device=self.device)
-        req.slots = pages[pos // self.page_size] * self.page_size + pos % self.page_size
+        for s in self.states.values():
+            s[req.state_slot].zero_()
+
+    def grow(self, req: Request, n_tokens: int) -> bool:
+        """Pages for positions 0 .. n_tokens - 1; False (and nothing taken) if too few are free."""
+        need = self.pages_for(n_tokens) - len(req.pages)
+        if need > len(self.free_pages):
+            return False
+        if need > 0:
+            req.pages += [self.free_pages.pop() for _ in range(need)]
+            req.page_table = torch.tensor(req.pages, device=self.device)
+        return True
 
     def free(self, req: Request) -> None:
         self.free_pages.extend(reversed(req.pages))
         if req.state_slot >= 0:
             self.free_state_slots.append(req.state_slot)
-        req.pages, req.state_slot, req.slots = [], -1, None
+        req.pages, req.page_table, req.state_slot = [], None, -1
 
-    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots [N]; k, v [N, kv_heads, head_dim]."""
-        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+    def rows(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """Pool rows (page * page_size + offset) of positions start .. end - 1."""
+        pos = torch.arange(start, end, device=self.device)
+        return req.page_table[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots [B, L] -> k, v [B, kv_heads, L, head_dim] in the compute dtype."""
-        k = self.k[layer][slots].to(self.compute_dtype).transpose(1, 2)
-        v = self.v[layer][slots].to(self.compute_dtype).transpose(1, 2)
-        return k, v
+    def row(self, req: Request, pos: int) -> int:
+        return req.pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def read_state(self, layer: int, state_slots: torch.Tensor) -> torch.Tensor:
-        return self.states[layer][state_slots]
-
-    def write_state(self, layer: int, state_slots: torch.Tensor, state: torch.Tensor) -> None:
-        self.states[layer].index_copy_(0, state_slots, state)
+    @property
+    def scratch_row(self) -> int:
+        return self.scratch_page * self.page_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from sala.engine.cache import CachePool
+from sala.engine.cache import CacheFull, CachePool, kv_bytes_per_token, plan_memory, state_bytes_per_seq
 from sala.engine.detokenizer import IncrementalDetokenizer
 from sala.engine.params import InvalidParam, SamplingParams
 from sala.engine.request import Completion, Request, RequestOutput, TokenLogprob
@@ -34,19 +35,45 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, memory_bytes: int = 256 << 20, max_seqs: int = 32,
-                 max_batch_tokens: int = 512, max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = True,
+    """`Engine(model, tokenizer)` serves a loaded model (its projections are fused in place);
+    `Engine.from_pretrained(path)` loads one. Settings:
+
+    - device: where the model and cache live (from_pretrained: CUDA when available, else CPU).
+    - memory_bytes: the K/V + state budget; default on CUDA `gpu_memory_utilization` of the
+      device's memory minus what is already in use, on CPU room for `max_seqs` sequences of
+      min(max_model_len, 4096) tokens (at most a quarter of the machine's memory).
+    - max_seqs (CUDA 256, CPU 32), cut to what the state pool can hold; max_batch_tokens (the
+      step's token budget); max_model_len (default the config's); max_waiting (queue bound).
+    - batch_invariant: the evaluation mode (bitwise-reproducible logprobs whatever else runs);
+      compile: the compiled / CUDA-graph decode step (ignored in the evaluation mode).
+    """
+
+    def __init__(self, model, tokenizer, *, memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_seqs: int | None = None, max_batch_tokens: int | None = None, max_model_len: int | None = None,
+                 max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = False, compile: bool = True,
                  kv_dtypes: dict[int, torch.dtype] | None = None):
         self.model, self.tokenizer = model, tokenizer
-        self.config = model.config
+        self.config = config = model.config
         param = next(model.parameters())
-        self.cache = CachePool(self.config, memory_bytes, max_seqs, page_size, param.dtype, kv_dtypes, param.device)
-        self.scheduler = Scheduler(self.cache, max_batch_tokens, max_seqs, max_waiting)
-        self.runner = ModelRunner(model, self.cache, batch_invariant)
-        eos = self.config.eos_token_id
+        self.device = param.device
+        model.model.fuse_projections()
+        _dequantize_once_on_cpu(model)
+        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        cuda = self.device.type == "cuda"
+        max_seqs = max_seqs or (256 if cuda else 32)
+        kv_dtypes = {i: (kv_dtypes or {}).get(i, param.dtype) for i in config.sparse_layers}
+        if memory_bytes is None:
+            memory_bytes = _default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len, kv_dtypes)
+        plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, kv_dtypes)
+        log.info("%s", plan.describe())
+        self.cache = CachePool(config, plan, param.dtype, kv_dtypes, self.device)
+        granule = page_size if batch_invariant else 1
+        max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule)
+        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule)
+        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, granule, plan.max_seqs)
+        eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.max_model_len = self.config.max_position_embeddings
-        dense_len = self.config.sparse_config["dense_len"]
+        dense_len = config.sparse_config["dense_len"]
         if self.max_model_len > dense_len:
             log.warning("sparse layers attend densely: contexts of %d tokens or more will differ from the official "
                         "InfLLM-v2 block selection (sparse_config.dense_len)", dense_len)
@@ -56,12 +83,22 @@ class Engine:
         self.num_finished: Counter[str] = Counter()  # by finish reason
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", **kwargs) -> Engine:
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                        **kwargs) -> Engine:
         from transformers import AutoTokenizer  # sala/__init__ has registered SALA's tokenizer class
 
         from sala.checkpoint import load_model  # BF16, or NVFP4 through the W4A16 path
 
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device} but CUDA is not available (torch {torch.__version__}); use device='cpu'")
         return cls(load_model(path, dtype, device), AutoTokenizer.from_pretrained(path), **kwargs)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -86,7 +123,11 @@ class Engine:
         req = Request(ids, params, IncrementalDetokenizer(self.tokenizer, ids, params.stop), on_output)
         if request_id:
             req.request_id = request_id
+        if params.prompt_logprobs_start is not None:
+            req.prompt_logprobs_next = max(params.prompt_logprobs_start - 1, 0)
         if not params.greedy:
+            # A CPU generator whatever the device: sampling draws its uniforms here (sampling.py),
+            # so a seed gives the same tokens on CPU and CUDA.
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.scheduler.add(req)
@@ -244,3 +285,39 @@ class RequestStream:
             self.finished = True
             self.owner.engine.cancel(self.request)
             self.owner.wakeup.set()
+
+
+def _default_budget(config, device: torch.device, utilization: float, max_seqs: int, max_model_len: int,
+                    kv_dtypes: dict[int, torch.dtype]) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return cuda_cache_budget(config, total, free, utilization, max_seqs)
+    kv = kv_bytes_per_token(config, kv_dtypes)
+    want = max_seqs * (min(max_model_len, 4096) * kv + state_bytes_per_seq(config))
+    want = max(want, -(-max_model_len // 64) * 64 * kv + max_seqs * state_bytes_per_seq(config))
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return int(min(want, ram // 4))
+
+
+def cuda_cache_budget(config, total: int, free: int, utilization: float, max_seqs: int) -> int:
+    """Like vLLM's gpu_memory_utilization: that fraction of the whole device, less what is in use
+    (weights, other processes), less room for the largest step's activations and logits."""
+    activations = 2048 * (4 * config.hidden_size + 3 * config.intermediate_size) * 4 + max_seqs * config.vocab_size * 4 * 3
+    budget = int(total * utilization) - (total - free) - activations
+    if budget <= 0:
+        raise CacheFull(f"gpu_memory_utilization={utilization} of {total / 2**30:.1f} GiB leaves no room for the cache: "
+                        f"{(total - free) / 2**30:.1f} GiB are in use")
+    return budget
+
+
+def _dequantize_once_on_cpu(model) -> None:
+    """On CPU, packed NVFP4 Linears keep an fp32 copy of their weight, made now rather than on every call."""
+    if next(model.parameters()).device.type != "cpu":
+        return
+    for m in model.modules():
+        if hasattr(m, "cache_dequantized"):
+            m.cache_dequantized = True
+            m.dequantized_weight()

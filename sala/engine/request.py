@@ -60,9 +60,11 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V and state are in the cache
-    slots: torch.Tensor | None = None  # KV-pool slot of every position this request may reach
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # K/V pool pages, allocated as the sequence grows
+    page_table: torch.Tensor | None = None  # `pages` on the cache's device
     state_slot: int = -1
+    prompt_logprobs_next: int | None = None  # next prompt position whose logits score the following token
+    num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
@@ -73,16 +75,29 @@ class Request:
 
     @property
     def capacity(self) -> int:
-        """Positions reserved at admission: the prompt plus every token it may generate."""
+        """Positions it may reach: the prompt plus every token it may generate."""
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end - 1 of prompt + output (a preempted request recomputes both)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        """More than the last token still to compute: the next step runs a chunk, not one decode token.
+        (A request one token short of done decodes that token, whether it is new or the prompt's last.)"""
+        return self.num_computed < self.num_tokens - 1
 
     def completion(self) -> Completion:
         now = time.perf_counter()

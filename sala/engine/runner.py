@@ -1,153 +1,250 @@
-"""One engine step through the model: every scheduled token of every request as one flat batch.
+"""One engine step through the model: the scheduled tokens as one row, a step context, one forward.
 
-The linear parts of each layer (projections, MLP, norms) run once over all rows; only the
-mixers look at which request a row belongs to: decode rows attend (sparse layers) or update
-the state (lightning layers) together as a batch, each prompt chunk on its own against its
-request's cached K/V or state. Layer math comes from the model's own `project`, `attend` and
-`finish`; this file only decides where K/V and states come from and go to.
+`prepare` turns a Schedule into the model's inputs and a StepContext (sala/context.py): slot
+mapping, page tables and context lengths of the decode rows, state slots, prompt spans. The
+model's own mixers read it; this file never restates the layers.
 
-Batch invariance (engine.md, Determinism), on by default: a request's logits must not depend
-on what else shares its step. Two reductions would make them depend on it on CPU: MKL computes
-a matmul's rows in blocks of 4 and, in small matmuls, the rows left over after the last full
-block through a kernel whose sums round differently; and attention
-over keys padded to the batch's longest context sums in a different order than over the
-request's own keys. So every matmul is padded to a multiple of 8 rows, and decode attention runs
-per request on its exact context. `batch_invariant=False` batches decode attention over padded
-keys instead (tests/test_engine.py prints the logprob difference this makes). Padding to a
-multiple of 8 rows also covers CPUs whose GEMM kernels work on 8-row blocks. Where a prompt
-is split into chunks depends on the token budget and the load, so exactness holds for prompts
-prefilled in one step (chunk boundaries move rounding, not results beyond it).
+Decode-only steps take a fast path: on CPU the step is compiled with inductor (`compile=True`,
+dynamic batch size and page count); on CUDA it is replayed from CUDA graphs captured at
+bucketed batch sizes over persistent input buffers (padding rows write the scratch page and
+state slot). Steps that carry prompt chunks run eagerly through the same forward.
+
+Batch invariance (engine.md, Determinism) is a mode, `batch_invariant=True`: a request's logits
+must not depend on what else shares its step. Two reductions would make them depend on it on
+CPU: MKL computes a matmul's rows in blocks of 4 and, in small matmuls, the rows left over
+after the last full block through a kernel whose sums round differently; and attention over
+keys padded to the batch's longest context sums in a different order than over the request's
+own keys. So the mode pads every step to a multiple of 8 rows, attends one request at a time
+on exactly its own keys, runs each prompt granule (the scheduler cuts prompts only at
+multiples of it) as a request alone would, and never compiles.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
+from sala.context import Span, StepContext
 from sala.engine.cache import CachePool
 from sala.engine.request import Request
 from sala.engine.scheduler import Schedule
-from sala.model import causal_mask
+
+log = logging.getLogger(__name__)
+INVARIANT_ROWS = 8
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [rows]; rows beyond n_real are padding
-    positions: torch.Tensor  # [1, rows]
-    n_real: int
-    write_slots: torch.Tensor  # [n_real] KV-pool row of each real token
-    decode_kv_slots: torch.Tensor | None  # [n_decode, longest context], when decode attention is batched
-    decode_kv_mask: torch.Tensor | None  # [n_decode, 1, 1, longest context]
-    decode_state_slots: torch.Tensor  # [n_decode]
-    spans: list[tuple[Request, int, int, int]]  # prompt chunks: (request, first row, end row, first position)
-    decode_spans: list[tuple[Request, int, int, int]]  # decode rows as one-token spans, when attended per request
-    sample_rows: list[int]  # rows whose next-token logits are sampled from
-    sampled: list[Request]  # the request of each sample row
-    prompt_rows: list[int]  # rows whose logits score the next prompt token (prompt logprobs)
-    prompt_targets: list[tuple[Request, int]]  # (request, that next prompt token) of each prompt row
+class StepRows:
+    """Which rows of a step's logits mean what."""
+
+    sampled: list[Request]  # a request per sampled row (the first len(sampled) logits rows)
+    prompt_targets: list[tuple[Request, int]]  # (request, next prompt token) per prompt-logprob row (the rest)
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CachePool, batch_invariant: bool = True):
-        self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
-        self.row_multiple = 8 if batch_invariant else 1
+    def __init__(self, model, cache: CachePool, batch_invariant: bool = False, compile: bool = True, granule: int = 64,
+                 max_decode_batch: int = 32):
+        self.model, self.cache, self.batch_invariant, self.granule = model, cache, batch_invariant, granule
         self.device = cache.device
+        self.compile_seconds: float | None = None
+        self.fast_decode = None
+        if compile and not batch_invariant:
+            self.fast_decode = CudaGraphDecode(self, max_decode_batch) if self.device.type == "cuda" else CompiledDecode(self)
 
-    def _padding(self, rows: int) -> int:
-        return -rows % self.row_multiple
-
-    def prepare(self, sched: Schedule) -> StepInputs:
+    # ---------------------------------------------------------------- inputs
+    def prepare(self, sched: Schedule) -> tuple[torch.Tensor, StepContext, list[int], StepRows]:
+        cache, dev = self.cache, self.device
         dec = sched.decodes
-        ids = [r.output_ids[-1] for r in dec]
+        ids = [r.last_token for r in dec]
         pos = [r.num_computed for r in dec]
-        slots = [r.slots[r.num_computed : r.num_computed + 1] for r in dec]
-        spans, sample_rows, sampled, prompt_rows, prompt_targets = [], list(range(len(dec))), list(dec), [], []
-        row = len(dec)
+        slots = [cache.row(r, r.num_computed) for r in dec]
+        ctx = StepContext(cache, None, None, num_decode=len(dec), batch_invariant=self.batch_invariant)
+        if dec:
+            width = max(len(r.pages) for r in dec)
+            ctx.block_tables = torch.tensor([r.pages + [cache.scratch_page] * (width - len(r.pages)) for r in dec], device=dev)
+            ctx.context_lens = torch.tensor([p + 1 for p in pos], device=dev)
+            ctx.state_slots = torch.tensor([r.state_slot for r in dec], device=dev)
+            if self.batch_invariant:
+                ctx.decode_spans = [Span(i, 1, p, r.state_slot, cache.rows(r, 0, p + 1)) for i, (r, p) in enumerate(zip(dec, pos))]
+        sample_rows, rows = list(range(len(dec))), StepRows(list(dec), [])
+        prompt_rows, row, slot_parts = [], len(dec), [torch.tensor(slots, dtype=torch.long, device=dev)]
         for r, start, end in sched.prefills:
-            ids += r.prompt_ids[start:end]
+            ids += r.token_slice(start, end)
             pos += range(start, end)
-            slots.append(r.slots[start:end])
-            spans.append((r, row, row + end - start, start))
-            if r.params.prompt_logprobs_start is not None:
-                # position p's logits score prompt token p + 1
-                first = max(start, r.params.prompt_logprobs_start - 1)
-                for p in range(first, min(end, len(r.prompt_ids) - 1)):
-                    prompt_rows.append(row + p - start)
-                    prompt_targets.append((r, r.prompt_ids[p + 1]))
+            slot_parts.append(cache.rows(r, start, end))
+            for a, b in self._pieces(start, end):
+                ctx.prefills.append(Span(row + a - start, b - a, a, r.state_slot, cache.rows(r, 0, b) if a else None))
+            self._prompt_logprob_rows(r, start, end, row, prompt_rows, rows.prompt_targets)
             row += end - start
-            if end == len(r.prompt_ids):
+            if end == r.num_tokens:
                 sample_rows.append(row - 1)
-                sampled.append(r)
-        pad = self._padding(row)
-        kv_slots = kv_mask = None
-        if dec and not self.batch_invariant:
-            lengths = torch.tensor([p + 1 for p in pos[: len(dec)]], device=self.device)
-            kv_slots = pad_sequence([r.slots[: r.num_computed + 1] for r in dec], batch_first=True)
-            kv_mask = (torch.arange(kv_slots.shape[1], device=self.device) < lengths[:, None])[:, None, None]
-        return StepInputs(
-            input_ids=torch.tensor(ids + [0] * pad, device=self.device),
-            positions=torch.tensor(pos + [0] * pad, device=self.device)[None],
-            n_real=row,
-            write_slots=torch.cat(slots),
-            decode_kv_slots=kv_slots,
-            decode_kv_mask=kv_mask,
-            decode_state_slots=torch.tensor([r.state_slot for r in dec], device=self.device),
-            spans=spans,
-            decode_spans=[] if kv_slots is not None else [(r, i, i + 1, r.num_computed) for i, r in enumerate(dec)],
-            sample_rows=sample_rows,
-            sampled=sampled,
-            prompt_rows=prompt_rows,
-            prompt_targets=prompt_targets,
-        )
+                rows.sampled.append(r)
+        if len(ctx.prefills) > 1 and not self.batch_invariant:
+            ctx.prefill_state_slots = torch.tensor([s.state_slot for s in ctx.prefills], device=dev)
+            ctx.prefill_lengths = torch.tensor([s.length for s in ctx.prefills], device=dev)
+        pad = -row % INVARIANT_ROWS if self.batch_invariant else 0
+        ids += [0] * pad
+        pos += [0] * pad
+        slot_parts.append(torch.full((pad,), cache.scratch_row, dtype=torch.long, device=dev))
+        ctx.positions = torch.tensor(pos, device=dev)
+        ctx.slot_mapping = torch.cat(slot_parts)
+        return torch.tensor(ids, device=dev), ctx, sample_rows + prompt_rows, rows
 
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
+        """A prompt chunk as the model runs it: whole, or in the invariant mode cut at every granule."""
+        if not self.batch_invariant:
+            return [(start, end)]
+        cuts = list(range(start - start % self.granule + self.granule, end, self.granule))
+        return list(zip([start] + cuts, cuts + [end]))
+
+    @staticmethod
+    def _prompt_logprob_rows(r: Request, start: int, end: int, row: int, prompt_rows: list, targets: list) -> None:
+        """Rows of this chunk whose logits score the next prompt token (position p scores token p + 1),
+        each position once even when a preempted request recomputes its prompt."""
+        if r.prompt_logprobs_next is None:
+            return
+        last = min(end, len(r.prompt_ids) - 1)
+        for p in range(max(start, r.prompt_logprobs_next), last):
+            prompt_rows.append(row + p - start)
+            targets.append((r, r.prompt_ids[p + 1]))
+        r.prompt_logprobs_next = max(r.prompt_logprobs_next, last)
+
+    # ---------------------------------------------------------------- forward
     @torch.inference_mode()
-    def run(self, sched: Schedule) -> tuple[StepInputs, torch.Tensor]:
-        """Advance the cache by the scheduled tokens; returns the step and fp32 logits of its
-        sample rows followed by its prompt rows."""
-        step = self.prepare(sched)
-        m = self.model.model
-        h = m.embed_tokens(step.input_ids)[None] * self.model.config.scale_emb
-        for i, layer in enumerate(m.layers):
-            x = layer.input_layernorm(h)
-            mix = self._lightning if layer.is_lightning else self._sparse
-            h = h + mix(layer.self_attn, i, x, step) * layer.residual_scale
-            h = h + layer.mlp(layer.post_attention_layernorm(h)) * layer.residual_scale
-        rows = step.sample_rows + step.prompt_rows
-        n = len(rows)
-        return step, self.model.logits(m.norm(h[0, rows + [0] * self._padding(n)]))[:n]
+    def run(self, sched: Schedule) -> tuple[StepRows, torch.Tensor]:
+        """Advance the cache by the scheduled tokens; returns which rows mean what and the fp32
+        logits of the sampled rows followed by the prompt-logprob rows."""
+        ids, ctx, logit_rows, rows = self.prepare(sched)
+        if self.fast_decode is not None and not ctx.prefills:
+            logits = self.fast_decode(ids, ctx)
+            if logits is not None:
+                return rows, logits
+        return rows, self.forward(ids, ctx, logit_rows)
 
-    def _sparse(self, attn, i: int, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        q, k, v = attn.project(x, step.positions)  # q [1, Hq, rows, D]; k, v [1, Hkv, rows, D]
-        n, d = step.n_real, len(step.decode_state_slots)
-        self.cache.write_kv(i, step.write_slots, k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1))
-        out = q.new_zeros(q.shape[2], q.shape[1], q.shape[3])  # [rows, Hq, D]
-        gqa = attn.n_heads != attn.n_kv
-        if step.decode_kv_slots is not None:
-            kd, vd = self.cache.read_kv(i, step.decode_kv_slots)
-            qd = q[0, :, :d].transpose(0, 1)[:, :, None]
-            out[:d] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=step.decode_kv_mask, enable_gqa=gqa)[:, :, 0]
-        for r, a, b, past in step.decode_spans + step.spans:
-            kp, vp = self.cache.read_kv(i, r.slots[None, : past + b - a])
-            mask = causal_mask(b - a, past + b - a, past, None, x.device) if b - a > 1 else None  # one query sees all
-            o = F.scaled_dot_product_attention(q[:, :, a:b], kp, vp, attn_mask=mask, enable_gqa=gqa)
-            out[a:b] = o[0].transpose(0, 1)
-        return attn.finish(out.reshape(1, out.shape[0], -1), x)
+    def forward(self, ids: torch.Tensor, ctx: StepContext, logit_rows: list[int] | None = None) -> torch.Tensor:
+        hidden = self.model.model(ids[None], context=ctx)[0]
+        if logit_rows is not None:
+            n = len(logit_rows)
+            pad = -n % INVARIANT_ROWS if self.batch_invariant else 0
+            hidden = hidden[torch.tensor(logit_rows + [0] * pad, device=self.device)]
+            return self.model.logits(hidden)[:n]
+        return self.model.logits(hidden)
 
-    def _lightning(self, attn, i: int, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        q, k, v = attn.project(x, step.positions)  # fp32 [1, H, rows, D]
-        d = len(step.decode_state_slots)
-        out = torch.zeros_like(q)
-        if d:
-            slots = step.decode_state_slots
-            o, s = attn.attend(*(t[0, :, :d].transpose(0, 1)[:, :, None] for t in (q, k, v)), self.cache.read_state(i, slots))
-            out[0, :, :d] = o[:, :, 0].transpose(0, 1)
-            self.cache.write_state(i, slots, s)
-        for r, a, b, past in step.spans:
-            slot = torch.tensor([r.state_slot], device=x.device)
-            state = self.cache.read_state(i, slot) if past else None
-            o, s = attn.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state)
-            out[:, :, a:b] = o
-            self.cache.write_state(i, slot, s)
-        return attn.finish(out, x)
+
+class CompiledDecode:
+    """The decode-only step through torch.compile (inductor). Batch size and page-table width
+    are dynamic, so a handful of graphs cover every step. If compiling fails (no C++ compiler,
+    an unsupported op) the engine says so once and stays eager."""
+
+    # A batch of one is run as two (the extra row writes only scratch) and page tables are at
+    # least two wide: inductor specialises size-1 dimensions, which would mean more graphs, and
+    # lays a size-1 batch out with stride 0, which sends every GEMM to a slow non-BLAS path.
+    # With both, one graph serves every decode step, so after the first call its guards
+    # (over a hundred parameter and pool tensors, ~0.5 ms a step) need not be evaluated.
+    MIN_ROWS = MIN_WIDTH = 2
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.fn = torch.compile(self._step, dynamic=True)
+        self.failed = False
+
+    def _step(self, ids, positions, slot_mapping, block_tables, context_lens, state_slots):
+        ctx = StepContext(self.runner.cache, positions, slot_mapping, num_decode=ids.shape[0], block_tables=block_tables,
+                          context_lens=context_lens, state_slots=state_slots)
+        return self.runner.forward(ids, ctx)
+
+    def _inputs(self, ids: torch.Tensor, ctx: StepContext) -> list[torch.Tensor]:
+        c = self.runner.cache
+        tables = ctx.block_tables
+        if tables.shape[1] < self.MIN_WIDTH:
+            tables = torch.cat([tables, tables.new_full((tables.shape[0], self.MIN_WIDTH - tables.shape[1]), c.scratch_page)], 1)
+        inputs = [ids, ctx.positions, ctx.slot_mapping, tables, ctx.context_lens, ctx.state_slots]
+        extra = self.MIN_ROWS - ids.shape[0]
+        if extra > 0:
+            fill = [0, 0, c.scratch_row, c.scratch_page, 1, c.scratch_slot]
+            inputs = [torch.cat([t, t.new_full((extra, *t.shape[1:]), v)]) for t, v in zip(inputs, fill)]
+        return inputs
+
+    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        if self.failed:
+            return None
+        inputs = self._inputs(ids, ctx)
+        if self.runner.compile_seconds is not None:
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return self.fn(*inputs)[: ids.shape[0]]
+            except RuntimeError:  # a graph that has to be recompiled: raised before anything ran
+                pass
+        t0 = time.perf_counter()
+        try:
+            logits = self.fn(*inputs)
+        except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
+            self.failed = True
+            log.warning("compiling the decode step failed, running eager: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        if self.runner.compile_seconds is None:
+            self.runner.compile_seconds = time.perf_counter() - t0
+            log.info("compiled the decode step in %.1f s", self.runner.compile_seconds)
+        return logits[: ids.shape[0]]
+
+
+class CudaGraphDecode:
+    """Decode steps replayed from CUDA graphs captured at bucketed batch sizes (as nano-vllm
+    does). Inputs live in persistent buffers; a step of n requests runs the smallest captured
+    size >= n, its extra rows pointed at the scratch page and state slot. Page tables are as
+    wide as the longest request the pool can hold, so one graph serves every context length."""
+
+    def __init__(self, runner: ModelRunner, max_batch: int):
+        self.runner = runner
+        cache = runner.cache
+        self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) if s < max_batch] + [max_batch]
+        width = cache.pages_for(cache.plan.max_model_len)
+        dev = cache.device
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((max_batch,), cache.scratch_row, dtype=torch.long, device=dev)
+        self.block_tables = torch.full((max_batch, width), cache.scratch_page, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(max_batch, dtype=torch.long, device=dev)
+        self.state_slots = torch.full((max_batch,), cache.scratch_slot, dtype=torch.long, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _context(self, n: int) -> StepContext:
+        return StepContext(self.runner.cache, self.positions[:n], self.slot_mapping[:n], num_decode=n,
+                           block_tables=self.block_tables[:n], context_lens=self.context_lens[:n],
+                           state_slots=self.state_slots[:n])
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            self.runner.forward(self.ids[:n], self._context(n))  # warm-up: Triton compiles, constants reach the GPU
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.pool):
+                out = self.runner.forward(self.ids[:n], self._context(n))
+            self.pool = graph.pool()
+            self.graphs[n] = (graph, out)
+        torch.cuda.synchronize()
+        self.runner.compile_seconds = time.perf_counter() - t0
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.sizes, self.runner.compile_seconds)
+
+    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if not self.graphs:
+            self.capture()
+        n = ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        cache = self.runner.cache
+        self.ids[:n] = ids
+        self.positions[:n] = ctx.positions
+        self.slot_mapping[:n] = ctx.slot_mapping
+        self.slot_mapping[n:size] = cache.scratch_row
+        self.block_tables[:n].fill_(cache.scratch_page)
+        self.block_tables[:n, : ctx.block_tables.shape[1]] = ctx.block_tables
+        self.context_lens[:n] = ctx.context_lens
+        self.context_lens[n:size] = 1
+        self.state_slots[:n] = ctx.state_slots
+        self.state_slots[n:size] = cache.scratch_slot
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]

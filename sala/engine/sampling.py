@@ -1,9 +1,11 @@
-"""Next tokens from logits: greedy, or temperature / top-k / top-p sampling with a per-request seed.
+"""Next tokens from logits for a whole step at once: greedy rows by argmax, sampled rows through
+temperature, top-k and top-p as batched tensor ops, then one inverse-CDF draw per row.
 
-Each sampling request owns a torch.Generator seeded once, so a seeded request draws the same
-tokens whatever else shares its steps. Reported logprobs are those of the model's own
-distribution (log_softmax of the raw logits, before temperature and truncation), as vLLM and
-the OpenAI API report them.
+Each sampling request owns a CPU torch.Generator seeded once and draws one uniform a step
+from it, whatever device the logits are on: a seed gives the same tokens on CPU and CUDA (for
+equal logits) and whatever else shares the step. Reported logprobs are those of the model's
+own distribution (log_softmax of the raw logits, before temperature and truncation), as vLLM
+and the OpenAI API report them.
 """
 from __future__ import annotations
 
@@ -13,28 +15,40 @@ from sala.engine.params import SamplingParams
 from sala.engine.request import Request, TokenLogprob
 
 
-def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits [V] -> probabilities after temperature, top-k and top-p."""
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [n, V] -> probabilities [n, V] after each row's temperature, top-k and top-p."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, device=dev)
+        kth = logits.topk(max(top_k), dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)[:, None]
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is short of top_p.
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+        drop = ((sorted_probs.cumsum(-1) - sorted_probs) >= top_p) & (top_p < 1)
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """logits [n, V] fp32, one row per request -> the next token of each."""
-    tokens = logits.argmax(-1).tolist()
-    for i, r in enumerate(requests):
-        if not r.params.greedy:
-            tokens[i] = int(torch.multinomial(filtered_probs(logits[i], r.params), 1, generator=r.generator))
-    return tokens
+    tokens = logits.argmax(-1)
+    rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs = filtered_probs(logits[index], [requests[i].params for i in rows])
+        u = torch.cat([torch.rand(1, generator=requests[i].generator, dtype=torch.float64) for i in rows])
+        cdf = probs.double().cumsum(-1)
+        # The first token whose cumulative mass exceeds u * total: tokens of zero mass are never drawn.
+        drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
+        tokens[index] = drawn.clamp(max=logits.shape[-1] - 1)
+    return tokens.tolist()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_k: list[int]) -> list[TokenLogprob]:
@@ -44,6 +58,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_k: list[int]) ->
     lp = torch.log_softmax(logits, dim=-1)
     k = max(top_k)
     top_lp, top_ids = lp.topk(k, dim=-1)
-    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-    return [TokenLogprob(t, c, list(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist())))
+    chosen = lp[torch.arange(len(tokens), device=lp.device), torch.tensor(tokens, device=lp.device)].tolist()
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [TokenLogprob(t, c, list(zip(top_ids[i][:n], top_lp[i][:n])))
             for i, (t, c, n) in enumerate(zip(tokens, chosen, top_k))]

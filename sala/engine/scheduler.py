@@ -1,9 +1,19 @@
-"""Continuous batching with chunked prefill and a bounded queue.
+"""Continuous batching with chunked prefill, pages on demand, preemption and a bounded queue.
 
 Each step runs every running request that is decoding (one token each), then spends what is
 left of the token budget on prompt chunks: first requests already part-way through their
-prompt, then new requests in arrival order, admitted while a state slot and their pages are
-free. A long prompt is thus spread over several steps and never stalls the decoders.
+prompt, then waiting requests in arrival order, admitted while a state slot and the pages of
+their first chunk are free. A waiting request that does not fit right now is passed over, so
+it never blocks smaller ones behind it. A long prompt is spread over several steps and never
+stalls the decoders.
+
+Pages are taken as sequences grow. When a running request needs a page and none is free, the
+most recently admitted request is preempted: its pages and state slot are freed and it goes
+back to the front of the queue, to recompute its prompt and the tokens it already generated
+(a lightning state cannot be rebuilt any other way) and continue exactly where it was.
+
+In the batch-invariant mode a chunk ends only at a multiple of `granule` (or at the end of
+the tokens), so where a prompt is cut never depends on the load.
 
 The waiting queue is bounded: `add` raises QueueFull instead of growing without limit (the
 server answers 503 with Retry-After). `add` and `cancel` may be called from any thread; all
@@ -34,15 +44,15 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, cache: CachePool, max_batch_tokens: int, max_seqs: int, max_waiting: int):
-        if max_batch_tokens < max_seqs:
-            raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least max_seqs={max_seqs}")
+    def __init__(self, cache: CachePool, max_batch_tokens: int, max_seqs: int, max_waiting: int, granule: int = 1):
+        if max_batch_tokens < max_seqs + granule - 1:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least max_seqs={max_seqs}"
+                             + (f" + {granule - 1} (one prefill granule)" if granule > 1 else ""))
         self.cache = cache
-        self.max_batch_tokens = max_batch_tokens
-        self.max_seqs = max_seqs
-        self.max_waiting = max_waiting
+        self.max_batch_tokens, self.max_seqs, self.max_waiting, self.granule = max_batch_tokens, max_seqs, max_waiting, granule
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
         self.lock = threading.Lock()
 
     def add(self, req: Request) -> None:
@@ -70,26 +80,66 @@ class Scheduler:
         return gone
 
     def schedule(self) -> Schedule:
-        batch = Schedule(decodes=[r for r in self.running if not r.prefilling])
+        batch = Schedule()
+        for r in list(self.running):
+            if r in self.running and not r.prefilling and self._grow_or_preempt(r, r.num_computed + 1):
+                batch.decodes.append(r)
         budget = self.max_batch_tokens - len(batch.decodes)
         for r in self.running:
             if r.prefilling and budget > 0:
-                budget -= self._add_chunk(batch, r, budget)
+                # Prompt chunks take only free pages: preempting here could evict a request already scheduled.
+                room = (len(r.pages) + len(self.cache.free_pages)) * self.cache.page_size - r.num_computed
+                end = self._chunk_end(r, min(budget, room))
+                if end > r.num_computed:
+                    self.cache.grow(r, end)
+                    batch.prefills.append((r, r.num_computed, end))
+                    budget -= end - r.num_computed
         with self.lock:
+            passed_over = deque()
             while budget > 0 and self.waiting and len(self.running) < self.max_seqs:
-                if not self.cache.can_allocate(self.waiting[0]):
-                    break
                 r = self.waiting.popleft()
-                self.cache.allocate(r)
+                end = self._chunk_end(r, budget)
+                if end == 0 or not self.cache.can_admit(end):
+                    passed_over.append(r)
+                    continue
+                self.cache.admit(r)
+                self.cache.grow(r, end)
                 self.running.append(r)
-                budget -= self._add_chunk(batch, r, budget)
+                batch.prefills.append((r, 0, end))
+                budget -= end
+            self.waiting.extendleft(reversed(passed_over))
+        if not batch.num_tokens and self.running:
+            # Every running request is part-way through a prompt and the pages are gone: free some.
+            self.preempt(self.running[-1])
+            return self.schedule()
         return batch
 
-    @staticmethod
-    def _add_chunk(batch: Schedule, r: Request, budget: int) -> int:
-        n = min(len(r.prompt_ids) - r.num_computed, budget)
-        batch.prefills.append((r, r.num_computed, r.num_computed + n))
-        return n
+    def _chunk_end(self, r: Request, budget: int) -> int:
+        total = r.num_tokens
+        end = min(total, r.num_computed + budget)
+        if end < total:
+            end -= end % self.granule
+        return max(end, r.num_computed)
+
+    def _grow_or_preempt(self, r: Request, n_tokens: int) -> bool:
+        """Pages for r's first n_tokens, preempting the most recently admitted requests as needed
+        (r itself, when it is the most recent: then False). Called for decodes in admission
+        order, so a victim is never one already scheduled this step."""
+        while not self.cache.grow(r, n_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is r:
+                return False
+        return True
+
+    def preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.cache.free(r)
+        r.num_computed = 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        with self.lock:
+            self.waiting.appendleft(r)
 
     def finish(self, req: Request) -> None:
         if req in self.running:

@@ -74,6 +74,33 @@ class NVFP4Linear(nn.Module):
             layer.bias.copy_(bias)
         return layer
 
+    @classmethod
+    def concat(cls, parts: list[NVFP4Linear]) -> NVFP4Linear:
+        """One Linear whose outputs are the parts' side by side (fused projections). Parts that
+        share a global scale keep one; otherwise the fused layer has one per output row."""
+        first = parts[0]
+        fused = cls(first.in_features, sum(p.out_features for p in parts), first.bias is not None,
+                    cache_dequantized=first.cache_dequantized, device=first.weight_packed.device)
+        fused.weight_packed = torch.cat([p.weight_packed for p in parts])
+        fused.weight_scale = torch.cat([p.weight_scale for p in parts])
+        scales = [p.weight_global_scale.reshape(-1) for p in parts]
+        if all(torch.equal(s, scales[0]) and s.numel() == 1 for s in scales):
+            fused.weight_global_scale = scales[0].clone()
+        else:
+            fused.weight_global_scale = torch.cat([s.expand(p.out_features) for s, p in zip(scales, parts)])
+        if first.bias is not None:
+            fused.bias = torch.cat([p.bias for p in parts])
+        return fused
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The fp32 weight, kept after the first call when `cache_dequantized` is set."""
+        if self._dense is not None:
+            return self._dense
+        w = nvfp4_dequantize_reference(self.weight_packed, self.weight_scale, self.weight_global_scale)
+        if self.cache_dequantized:
+            self._dense = w
+        return w
+
     def drop_cache(self) -> None:
         self._dense = None
 
@@ -88,13 +115,9 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cache_dequantized and not x.is_cuda:
-            if self._dense is None:
-                self._dense = nvfp4_dequantize_reference(
-                    self.weight_packed, self.weight_scale, self.weight_global_scale
-                )
             bias = self.bias.float() if self.bias is not None else None
             # Same fp32 arithmetic as the reference path, so caching never changes outputs.
-            return nn.functional.linear(x.float(), self._dense, bias).to(x.dtype)
+            return nn.functional.linear(x.float(), self.dequantized_weight(), bias).to(x.dtype)
         return nvfp4_linear(
             x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias
         )

@@ -1,0 +1,51 @@
+"""The step context: what one engine step's tokens need from the cache, read by every mixer.
+
+The engine runs all of a step's tokens as one row of N tokens: first one decode token for each
+of `num_decode` requests, then the prompt chunks (`prefills`), then padding rows that only
+round the batch up (to a multiple of 8 in the batch-invariant mode, to a captured batch size
+for CUDA graphs). Each mixer reads the context, as nano-vllm's attention reads its Context:
+
+- sparse layers write every row's K/V at `slot_mapping` (padding rows write a scratch page),
+  then attend: decode rows through `block_tables` / `context_lens` in one batched call, prompt
+  chunks over their request's cached K/V (`kv_rows`) plus the chunk, causally;
+- lightning layers update the state pool in place: decode rows by `state_slots` with the
+  one-step form, prompt chunks from their slot's state with the chunked form (several chunks
+  as one padded batch, with `prefill_state_slots` / `prefill_lengths`).
+
+`cache` is the engine's CachePool: `k[layer]`, `v[layer]` [pages, page_size, kv_heads, head_dim]
+and `states[layer]` [slots, heads, d_k, d_v], each with one scratch page / slot at the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Span:
+    """Consecutive rows of one request: `length` tokens from position `past` on, at rows
+    start .. start + length - 1."""
+
+    start: int
+    length: int
+    past: int  # tokens of this request already in the cache
+    state_slot: int = -1
+    kv_rows: torch.Tensor | None = None  # [past + length] pool rows of positions 0 .. past + length - 1
+
+
+@dataclass
+class StepContext:
+    cache: object
+    positions: torch.Tensor  # [N]
+    slot_mapping: torch.Tensor  # [N] K/V pool row each token writes
+    num_decode: int = 0
+    block_tables: torch.Tensor | None = None  # [num_decode, max_pages]
+    context_lens: torch.Tensor | None = None  # [num_decode], including the decode token
+    state_slots: torch.Tensor | None = None  # [num_decode]
+    prefills: list[Span] = field(default_factory=list)
+    prefill_state_slots: torch.Tensor | None = None  # [len(prefills)]
+    prefill_lengths: torch.Tensor | None = None  # [len(prefills)]
+    # Batch-invariant mode: decode rows attend one request at a time, on exactly their own keys.
+    decode_spans: list[Span] = field(default_factory=list)
+    batch_invariant: bool = False
