@@ -1,21 +1,30 @@
 """Decode throughput: the engine vs transformers' generate() on the same tiny-sala weights.
 
-Greedy, batch 1 and 8, prompts of equal length (so generate() needs no padding) and a fixed
-number of new tokens for both (min_new_tokens / ignore_eos), measured in the same run; the
-time covers prefill and decode, as a client sees it. The engine is timed in its default
-batch-invariant mode and without it (the cost of determinism). Also checks that both produce
-the same tokens.
+Three measurements, all in this run:
 
-    python bench/engine_decode.py [--new-tokens 64] [--prompt-tokens 32] [--threads 1]
+1. Greedy decode at batch 1 and 8: prompts of equal length (generate() needs no padding), a
+   fixed number of new tokens for both (min_new_tokens / ignore_eos); time covers prefill and
+   decode, as a client sees it. The engine runs eager, compiled (the default) and in the
+   evaluation mode (batch_invariant=True: the cost of determinism). Tokens are checked equal.
+2. A serving-shaped workload: 64 requests with prompt lengths 8..256 and max_tokens 8..128
+   drawn from a fixed seed, all submitted at once to the engine, vs generate() over
+   left-padded batches of 8 in the same order (each batch runs to its longest max_tokens;
+   only the tokens requested count). Tokens are compared with generate()'s per request.
+3. Ops per decode step (profiler events): generate()'s model call, the engine's eager step,
+   the compiled step.
+
+    python bench/engine_decode.py [--new-tokens 64] [--prompt-tokens 32] [--threads 2]
 """
 import argparse
 import json
+import random
 import time
 
 import torch
 
 from sala.checkpoint import load_model
 from sala.engine import Engine, SamplingParams
+from sala.engine.scheduler import Schedule
 from sala.tiny import ensure_tiny_sala, heldout_texts
 
 
@@ -28,14 +37,63 @@ def best_of(fn, repeat: int) -> float:
     return min(times)
 
 
+def hf_generate(model, batch: list[list[int]], n: int) -> list[list[int]]:
+    """Left-padded greedy generate(); each row's first n new tokens."""
+    width = max(map(len, batch))
+    pad = model.config.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+    return out[:, width:].tolist()
+
+
+def count_ops(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+
+def engine_decode_step_ops(engine, prompt: list[int], batch: int) -> tuple[int, int]:
+    """aten ops of one decode step of `batch` requests: eager forward, then through the compiled step."""
+    reqs = [engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for _ in range(batch)]
+    engine.step()
+    engine.step()  # one decode step, so the compiled graph exists
+    with torch.inference_mode():
+        ids, ctx, _, _ = engine.runner.prepare(Schedule(decodes=list(engine.scheduler.running)))
+        eager = count_ops(lambda: engine.runner.forward(ids, ctx))
+        compiled = count_ops(lambda: engine.runner.fast_decode(ids, ctx))
+    for r in reqs:
+        engine.cancel(r)
+    engine.step()
+    return eager, compiled
+
+
 @torch.inference_mode()
+def hf_decode_step_ops(model, prompt: list[int], batch: int) -> int:
+    ids = torch.tensor([prompt] * batch)
+    out = model(ids, use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    return count_ops(lambda: model(nxt, past_key_values=out.past_key_values, use_cache=True))
+
+
+def serving_workload(rng: random.Random, stream: list[int], n: int = 64):
+    reqs = []
+    for _ in range(n):
+        length, start = rng.randint(8, 256), rng.randint(1, len(stream) - 257)
+        reqs.append((stream[:1] + stream[start : start + length - 1], rng.randint(8, 128)))
+    return reqs
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny-sala's matmuls are too small for more)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=64, help="requests in the serving-shaped workload")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_tiny_sala()
@@ -43,37 +101,66 @@ def main():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    texts = [t for t in heldout_texts(path) if len(tok(t)["input_ids"]) >= args.prompt_tokens]
-    prompts = [tok(t)["input_ids"][: args.prompt_tokens] for t in texts[: max(args.batches)]]
+    stream = tok("\n\n".join(heldout_texts(path)))["input_ids"]
+    prompts = [stream[:1] + stream[1 + 50 * i : args.prompt_tokens + 50 * i] for i in range(max(args.batches))]
     n = args.new_tokens
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    engines = {"engine, eager": Engine(load_model(path), tok, compile=False),
+               "engine, compiled": Engine(load_model(path), tok),
+               "engine, evaluation mode": Engine(load_model(path), tok, batch_invariant=True)}
+    keys = {"engine, eager": "eager", "engine, compiled": "compiled", "engine, evaluation mode": "invariant"}
 
     rows, result = [], {"new_tokens": n, "prompt_tokens": args.prompt_tokens, "threads": args.threads}
     for b in args.batches:
-        ids = torch.tensor(prompts[:b])
-
-        def hf():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=model.config.pad_token_id)
-
-        engines = {"engine": Engine(model, tok), "engine (batch_invariant=False)": Engine(model, tok, batch_invariant=False)}
-        hf_tokens = hf()[:, args.prompt_tokens:].tolist()  # also the warm-up
-        t_hf = best_of(hf, args.repeat)
+        batch = prompts[:b]
+        hf_tokens = hf_generate(model, batch, n)  # also the warm-up
+        t_hf = best_of(lambda: hf_generate(model, batch, n), args.repeat)
         rows.append((b, "transformers generate()", b * n / t_hf, 1.0, ""))
-        for name, engine in engines.items():
-            out = engine.generate(prompts[:b], params)  # warm-up
-            same = sum(o.token_ids == h for o, h in zip(out, hf_tokens))
-            t = best_of(lambda: engine.generate(prompts[:b], params), args.repeat)
-            rows.append((b, name, b * n / t, t_hf / t, f"{same}/{b} sequences identical to generate()"))
-            key = "engine" if name == "engine" else "engine_not_invariant"
-            result[f"b{b}_{key}_tok_s"] = round(b * n / t, 1)
-            result[f"b{b}_{key}_ratio"] = round(t_hf / t, 3)
         result[f"b{b}_hf_tok_s"] = round(b * n / t_hf, 1)
+        for name, engine in engines.items():
+            out = engine.generate(batch, params)  # warm-up (and, the first time, the compile)
+            same = sum(o.token_ids == h for o, h in zip(out, hf_tokens))
+            t = best_of(lambda: engine.generate(batch, params), args.repeat)
+            rows.append((b, name, b * n / t, t_hf / t, f"{same}/{b} sequences identical to generate()"))
+            result[f"b{b}_{keys[name]}_tok_s"] = round(b * n / t, 1)
+            result[f"b{b}_{keys[name]}_ratio"] = round(t_hf / t, 3)
+    compiled = engines["engine, compiled"]
+    result["compile_s"] = round(compiled.runner.compile_seconds or 0.0, 1)
 
-    print(f"\ntiny-sala greedy decode, {args.prompt_tokens}-token prompts, {n} new tokens, {args.threads} thread(s)")
-    print(f"{'batch':>5}  {'implementation':<32} {'tokens/s':>10} {'vs generate()':>14}  check")
+    print(f"\ntiny-sala greedy decode, {args.prompt_tokens}-token prompts, {n} new tokens, {args.threads} thread(s); "
+          f"decode step compiled in {result['compile_s']} s")
+    print(f"{'batch':>5}  {'implementation':<26} {'tokens/s':>10} {'vs generate()':>14}  check")
     for b, name, tps, ratio, note in rows:
-        print(f"{b:>5}  {name:<32} {tps:>10.1f} {ratio:>13.2f}x  {note}")
+        print(f"{b:>5}  {name:<26} {tps:>10.1f} {ratio:>13.2f}x  {note}")
+
+    # A serving-shaped workload.
+    work = serving_workload(random.Random(0), stream, args.requests)
+    useful = sum(m for _, m in work)
+    t0 = time.perf_counter()
+    hf_out = []
+    for i in range(0, len(work), 8):
+        chunk = work[i : i + 8]
+        hf_out += [row[:m] for row, (_, m) in zip(hf_generate(model, [p for p, _ in chunk], max(m for _, m in chunk)), chunk)]
+    t_hf = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = compiled.generate([p for p, _ in work], [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in work])
+    t_engine = time.perf_counter() - t0
+    same = sum(c.token_ids == h for c, h in zip(got, hf_out))
+    print(f"\nserving-shaped workload: {len(work)} requests, prompts 8-256, max_tokens 8-128 ({useful} tokens requested)")
+    print(f"  generate(), left-padded batches of 8: {t_hf:7.2f} s  {useful / t_hf:8.1f} tok/s")
+    print(f"  engine, all submitted at once:        {t_engine:7.2f} s  {useful / t_engine:8.1f} tok/s  "
+          f"{t_hf / t_engine:.2f}x   {same}/{len(work)} identical to generate()")
+    result |= {"serving_hf_tok_s": round(useful / t_hf, 1), "serving_engine_tok_s": round(useful / t_engine, 1),
+               "serving_ratio": round(t_hf / t_engine, 3), "serving_identical": same}
+
+    # Ops per decode step.
+    ops = {"generate() model call": hf_decode_step_ops(model, prompts[0], 8)}
+    ops["engine eager step"], ops["engine compiled step"] = engine_decode_step_ops(compiled, prompts[0], 8)
+    print("\naten ops per decode step at batch 8 (profiler events; the compiled step counts only the ops left outside its C++ kernels)")
+    for name, count in ops.items():
+        print(f"  {name:<24} {count:>5}")
+    result |= {"ops_hf": ops["generate() model call"], "ops_engine_eager": ops["engine eager step"],
+               "ops_engine_compiled": ops["engine compiled step"]}
     print(json.dumps(result))
 
 

@@ -87,3 +87,19 @@ def test_slopes_32_heads_spot_values():
     assert abs(s[1].item() - 0.707107) < 1e-6
     assert abs(s[3].item() - 0.5) < 1e-7
     assert abs(s[31].item() - 0.0039063) < 1e-6
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_batch_of_different_lengths_matches_each_alone(chunk):
+    """Right-padded sequences of different lengths in one call (the engine's batched prefill):
+    outputs and each sequence's final state (`lengths`) equal the recurrence run on it alone."""
+    q, k, v, s0 = rand_qkv(b=3, t=70)
+    lengths = [70, 33, 16]
+    for i, n in enumerate(lengths):  # what the engine feeds past a sequence's end: zeros
+        q[i, :, n:], k[i, :, n:], v[i, :, n:] = 0, 0, 0
+    g = lightning.log_decay(4)
+    o, s = lightning.chunked(q, k, v, g, 0.3, s0, chunk_size=chunk, lengths=torch.tensor(lengths))
+    for i, n in enumerate(lengths):
+        o_ref, s_ref = lightning.recurrent(q[i : i + 1, :, :n], k[i : i + 1, :, :n], v[i : i + 1, :, :n], g, 0.3, s0[i : i + 1])
+        torch.testing.assert_close(o[i : i + 1, :, :n], o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s[i : i + 1], s_ref, rtol=1e-5, atol=1e-5)

@@ -168,3 +168,36 @@ def test_flags_off_still_decode_consistently(flag):
         out = m(ids[:, :15])
         pieces = [out.logits] + [m(ids[:, t : t + 1], past_key_values=out.past_key_values).logits for t in range(15, 20)]
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projections_equal_unfused():
+    """fuse_projections (the engine's q/k/v/gate and gate/up GEMMs) leaves the forward as it was,
+    up to the rounding of a wider GEMM (measured: none on this CPU)."""
+    m = random_model()
+    ids = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = m(ids, use_cache=False).logits
+        m.model.fuse_projections()
+        after = m(ids, use_cache=False).logits
+    assert m.model.layers[1].self_attn.qkvg_proj.out_features == 64 + 32 + 32 + 64  # q, k, v (2 kv heads), z
+    assert not hasattr(m.model.layers[0].self_attn, "q_proj") and m.model.layers[0].mlp.gate_up_proj is not None
+    print(f"max |fused - unfused| = {(after - before).abs().max():.2e}")
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_nvfp4_linears_equal_the_parts():
+    """Packed NVFP4 Linears with different global scales concatenate into one with a per-row
+    global scale; its output is the parts' outputs side by side."""
+    from sala.quant.linear import NVFP4Linear
+    from sala.quant.nvfp4 import quantize_rtn
+
+    g = torch.Generator().manual_seed(8)
+    parts = [NVFP4Linear.from_quantized(quantize_rtn(torch.randn(n, 64, generator=g) * s)) for n, s in [(32, 0.1), (16, 3.0), (16, 1.0)]]
+    fused = NVFP4Linear.concat(parts)
+    assert fused.weight_global_scale.shape == (64,)
+    x = torch.randn(5, 64, generator=g)
+    want = torch.cat([p(x) for p in parts], -1)
+    print(f"max |fused - parts| = {(fused(x) - want).abs().max():.2e}")
+    torch.testing.assert_close(fused(x), want, rtol=1e-6, atol=1e-6)
+    same = NVFP4Linear.concat([parts[1], parts[1]])
+    assert same.weight_global_scale.shape == (1,)  # one shared scale stays one

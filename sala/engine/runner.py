@@ -165,6 +165,9 @@ class CompiledDecode:
         if extra > 0:
             fill = [0, 0, c.scratch_row, c.scratch_page, 1, c.scratch_slot]
             inputs = [torch.cat([t, t.new_full((extra, *t.shape[1:]), v)]) for t, v in zip(inputs, fill)]
+        for t in inputs:  # else a width equal to some static size (kv heads: 2) is specialised on
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(inputs[3], 1)
         return inputs
 
     def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:

@@ -1,0 +1,122 @@
+"""Engine decode on a CUDA GPU with the real 9B config and random weights, BF16 and NVFP4.
+
+    python bench/engine_gpu.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 128]
+
+The model is MiniCPM-SALA's architecture at full size (config from tests/test_config.py's
+REAL_CONFIG, the released config.json) with random weights: throughput does not depend on
+the values. BF16 first; then every decoder Linear is RTN-quantized to packed NVFP4 in place
+(the W4A16 Triton kernels, split-K at small batch) and measured again. Greedy, fixed lengths
+(ignore_eos), time from submission to the last token, decode steps replayed from the
+engine's CUDA graphs. Reference in the same run: the same BF16 model's eager decode step
+(engine compile=False), so the ratio is what graphs and kernels buy.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def require_gpu() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("bench/engine_gpu.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
+                 f"(torch {torch.__version__}); bench/engine_decode.py measures the engine on CPU")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: the interpreter would time Python, not the GPU kernels")
+
+
+def word_tokenizer(vocab_size: int):
+    """A real (word-level) tokenizer over the model's vocabulary: random weights emit any id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2", pad_token="t2")
+
+
+def random_model(config):
+    from sala.model import SALAForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = SALAForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model.eval()
+
+
+def quantize_in_place(model) -> None:
+    from sala.quant.layerwise import apply_quantized, layer_modules
+    from sala.quant.nvfp4 import quantize_rtn
+
+    for layer in model.model.layers:
+        results = {name: quantize_rtn(layer.get_submodule(name).weight.detach().float(), "6") for name in layer_modules(layer)}
+        apply_quantized(layer, results, packed=True)
+    torch.cuda.empty_cache()
+
+
+def decode_tok_s(engine, batches, prompt_tokens: int, new_tokens: int) -> dict[int, float]:
+    from sala.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for b in batches:
+        prompts = torch.randint(3, engine.config.vocab_size, (b, prompt_tokens), generator=g).tolist()
+        engine.generate(prompts, params)  # warm-up (graph capture on the first call)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        out[b] = b * new_tokens / (time.perf_counter() - t0)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    args = ap.parse_args()
+    require_gpu()
+    from sala.config import SALAConfig
+    from sala.engine import Engine
+    from tests.test_config import REAL_CONFIG
+
+    config = SALAConfig(**REAL_CONFIG)
+    tok = word_tokenizer(config.vocab_size)
+    model = random_model(config)
+    settings = dict(max_seqs=max(args.batches), max_model_len=8192)
+    rows, result = [], {"device": torch.cuda.get_device_name(), "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
+    eager = decode_tok_s(Engine(model, tok, compile=False, **settings), args.batches, args.prompt_tokens, args.new_tokens)
+    for kind in ("bf16", "nvfp4"):
+        if kind == "nvfp4":
+            quantize_in_place(model)
+        engine = Engine(model, tok, **settings)
+        got = decode_tok_s(engine, args.batches, args.prompt_tokens, args.new_tokens)
+        for b in args.batches:
+            rows.append((kind, b, got[b], got[b] / eager[b]))
+            result[f"{kind}_b{b}_tok_s"] = round(got[b], 1)
+            result[f"{kind}_b{b}_vs_bf16_eager"] = round(got[b] / eager[b], 3)
+        result[f"{kind}_graph_capture_s"] = round(engine.runner.compile_seconds or 0.0, 1)
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\n9B config, random weights, {torch.cuda.get_device_name()}: greedy decode, {args.prompt_tokens}-token prompts, "
+          f"{args.new_tokens} new tokens")
+    print(f"{'weights':<7} {'batch':>5} {'tokens/s':>10} {'vs BF16 eager':>14}")
+    for b in args.batches:
+        print(f"{'bf16 eager':<7} {b:>5} {eager[b]:>10.1f} {1.0:>13.2f}x")
+    for kind, b, tps, ratio in rows:
+        print(f"{kind:<7} {b:>5} {tps:>10.1f} {ratio:>13.2f}x")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
