@@ -249,11 +249,18 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
     if getattr(config, "quantization_config", None):
         from sala.quant.export import load_quantized_model
 
-        return load_quantized_model(path, dtype=dtype, device=device, verify=verify)
-    state = load_state_dict(path, verify=verify)
-    with torch.device("meta"):
-        model = SALAForCausalLM(config)
-    check_state_dict(model, state, path)
-    dtype = dtype or next(iter(state.values())).dtype
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return model.to(device).eval()
+        model = load_quantized_model(path, dtype=dtype, device=device, verify=verify)
+    else:
+        state = load_state_dict(path, verify=verify)
+        with torch.device("meta"):
+            model = SALAForCausalLM(config)
+        check_state_dict(model, state, path)
+        dtype = dtype or next(iter(state.values())).dtype
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+        model = model.to(device).eval()
+    if (path / "generation_config.json").exists():
+        # As from_pretrained does: its eos ids may name end-of-turn tokens that config.json lacks.
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model

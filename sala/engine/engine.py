@@ -33,6 +33,21 @@ from sala.engine.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """Tokens that end a request (unless ignore_eos): the eos ids of config.json, generation_config
+    and the tokenizer, as vLLM takes them, plus every special token the chat template writes, so a
+    chat reply ends at the template's end-of-turn or start-of-turn marker instead of running on
+    into the next turn (a ChatML model that forgets <|im_end|> still begins a turn with <|im_start|>)."""
+    ids: set[int] = set()
+    for eos in (model.config.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                tokenizer.eos_token_id):
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    template = tokenizer.chat_template or ""
+    template = "".join(template.values()) if isinstance(template, dict) else template  # named templates
+    ids.update(i for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids) if t in template)
+    return ids
+
+
 class Engine:
     def __init__(self, model, tokenizer, *, memory_bytes: int = 256 << 20, max_seqs: int = 32,
                  max_batch_tokens: int = 512, max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = True,
@@ -43,8 +58,7 @@ class Engine:
         self.cache = CachePool(self.config, memory_bytes, max_seqs, page_size, param.dtype, kv_dtypes, param.device)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, max_seqs, max_waiting)
         self.runner = ModelRunner(model, self.cache, batch_invariant)
-        eos = self.config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.eos_ids = stop_token_ids(model, tokenizer)
         self.max_model_len = self.config.max_position_embeddings
         dense_len = self.config.sparse_config["dense_len"]
         if self.max_model_len > dense_len:
@@ -83,7 +97,7 @@ class Engine:
             limit = min(self.max_model_len, self.cache.max_tokens) - len(ids)
             raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} but the prompt ({len(ids)} tokens) "
                                              f"leaves room for at most {limit}")
-        req = Request(ids, params, IncrementalDetokenizer(self.tokenizer, ids, params.stop), on_output)
+        req = Request(ids, params, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens), on_output)
         if request_id:
             req.request_id = request_id
         if not params.greedy:
