@@ -16,7 +16,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -31,7 +30,7 @@ if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout 
 import torch  # noqa: E402
 
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
-from pipelines.registry import ModelSpecError, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
+from pipelines.registry import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
 from pipelines.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, load_model, read_config  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
@@ -359,13 +358,6 @@ def plots(rows: list[dict], kinds: list[str]):
 
 
 # ------------------------------------------------------------------------------------- main
-def model_name(spec: str | None, model_dir: Path) -> str:
-    """A readable name: the registry name, or the directory name without tiny-sala's recipe hash."""
-    if spec and spec.startswith("models:/"):
-        return spec.removeprefix("models:/").split("@")[0].split("/")[0]
-    return re.sub(r"-[0-9a-f]{12}$", "", model_dir.name)
-
-
 def default_output(name: str, args) -> Path:
     return sala_home() / "quantized" / f"{name}-nvfp4-{args.method}-{args.scale_rule}"
 
