@@ -54,7 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of the mean diagonal")
     ap.add_argument("--mode", choices=["sequential", "parallel"], default="sequential",
                     help="sequential: Hessians through already quantized layers (accurate); parallel: all from BF16 (fast)")
-    ap.add_argument("--calibration", help="jsonl / parquet / datasets dir (default: tiny-sala corpus + generated code, Q&A, lists)")
+    ap.add_argument("--calibration", help="jsonl / parquet / a datasets.save_to_disk directory / a dataset name in the local "
+                                          "datasets cache (default: tiny-sala corpus + generated code, Q&A, lists)")
+    ap.add_argument("--split", help="split of a DatasetDict given to --calibration (default: its only split)")
     ap.add_argument("--text-column", help="column holding the text (default: text, prompt, messages or content)")
     ap.add_argument("--mix-from", help="dataset whose task mix the calibration set should match (e.g. the eval set)")
     ap.add_argument("--target-mix", help="explicit task mix, e.g. code=0.3,qa=0.3,prose=0.3,list=0.1")
@@ -409,7 +411,7 @@ def run(args) -> int:
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows, report = cal.calibration_source(tokenizer, args.calibration, args.text_column)
+    rows, report = cal.calibration_source(tokenizer, args.calibration, args.text_column, args.split)
     mix = target_mix(args)
     seqs = cal.sample_and_pack(rows, tokenizer, args.num_samples, args.seq_len, mix)
     print(f"model      {model_dir}\noutput     {output}\nmlflow     {tracking_uri()}")
