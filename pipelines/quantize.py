@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout 
 
 import torch  # noqa: E402
 
+from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
 from pipelines.registry import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
 from pipelines.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
@@ -43,7 +44,7 @@ INTERRUPT_ENV = "SALA_INTERRUPT_AFTER_LAYER"  # test hook: Ctrl-C the driver onc
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pipelines/quantize.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
     ap.add_argument("--output", help="checkpoint directory to write (default: $SALA_HOME/quantized/<model>-nvfp4-<method>-<rule>, "
                                      "replaced on each run)")
