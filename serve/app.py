@@ -474,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _app_running("sala"):
             print("Serve was shut down; exiting", flush=True)
             return 0
-    serve.shutdown()
+    # Only this app: on a shared cluster Serve and its other apps stay (and serve.shutdown's
+    # killed controller would add a raylet line about a failed, retried task).
+    serve.delete("sala")
     print("stopped", flush=True)
     return 0
 

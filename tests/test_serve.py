@@ -378,12 +378,18 @@ def start_server(argv: list[str], env: dict) -> tuple[subprocess.Popen, str, lis
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out: list[str] = []
     deadline = time.time() + 300
-    for line in proc.stdout:
-        out.append(line)
-        if line.startswith("serving on "):
-            return proc, line.split("from another shell: ", 1)[1].strip(), out
-        assert time.time() < deadline, "".join(out[-50:])
-    raise AssertionError(f"server exited ({proc.wait()}):\n{''.join(out[-50:])}")
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("serving on "):
+                assert "from another shell: " in line, line
+                return proc, line.split("from another shell: ", 1)[1].strip(), out
+            assert time.time() < deadline, "".join(out[-50:])
+        raise AssertionError(f"server exited ({proc.wait()}):\n{''.join(out[-50:])}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def finish(proc: subprocess.Popen, out: list[str], timeout: float = 60) -> str:
