@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -476,6 +477,7 @@ def run(args) -> int:
                 set_alias(register_name, args.alias, version)
 
     print_summary(rows_table, quality, gate, args, output, register_name, version, run.info.run_id, time.time() - t_start, quant_seconds)
+    print(next_steps(output, register_name, version, gate, args.alias, run.info.experiment_id, run.info.run_id), flush=True)
     return 0
 
 
@@ -497,6 +499,35 @@ def print_summary(rows, quality, gate, args, output, name, version, run_id, seco
                       "kl_mean": round(quality["kl_mean"], 6), "top1_agreement": round(quality["top1_agreement"], 4),
                       "gate_passed": gate, "quantize_seconds": round(quant_seconds, 2), "total_seconds": round(seconds, 2),
                       "output": str(output), "registered_version": version}))
+
+
+def next_steps(output: Path, name: str, version: str | None, gate: bool, alias: str, experiment_id: str, run_id: str) -> str:
+    """The commands that use this run's checkpoint, with its real URIs and paths, ready to paste into
+    the same shell (the environment that located the registry is spelled out)."""
+    spec = (f"models:/{name}@{alias}" if gate else f"models:/{name}/{version}") if version else str(output)
+    env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("SALA_HOME", "MLFLOW_TRACKING_URI") if os.environ.get(k))
+    prefix = f"{env} " if env else ""
+
+    def here(path: Path) -> str:  # relative to the working directory when under it, as the user typed it
+        return shlex.quote(os.path.relpath(path) if Path(path).absolute().is_relative_to(Path.cwd()) else str(path))
+
+    python = here(Path(sys.executable))
+    uri = tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        ui = f"open {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    else:
+        ui = (f"{here(Path(sys.executable).with_name('mlflow'))} ui --backend-store-uri {shlex.quote(uri)}, "
+              f"then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}")
+    out = sala_home() / "generated" / model_name(spec, output)
+    return "\n".join([
+        "\nnext steps",
+        f"  serve it     {prefix}{python} -m serve.app --model {shlex.quote(spec)}",
+        f"               then: curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
+        f"""-d '{{"model": "{model_name(spec, output)}", "prompt": "The for statement", "max_tokens": 16}}'""",
+        f"  batch        {prefix}{python} {here(ROOT / 'pipelines' / 'generate.py')} --model {shlex.quote(spec)} "
+        f"--dataset PROMPTS.jsonl --output {shlex.quote(str(out))}",
+        f"  MLflow UI    {ui}",
+    ])
 
 
 if __name__ == "__main__":
