@@ -29,7 +29,7 @@ def run(mode: str, workers: int, args, home: Path) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         sys.exit(f"{mode}/{workers} failed:\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(next(line for line in reversed(r.stdout.splitlines()) if line.startswith("{")))  # the summary's JSON line
 
 
 def main():

@@ -4,14 +4,17 @@
     python pipelines/generate.py --dataset chats.parquet --messages-column messages \\
         --model models:/sala@champion --replicas 4 --num-gpus 1 --max-tokens 256 --output /abs/out
 
-Ray Data reads the dataset (a .jsonl file, a .parquet file or directory, or a directory saved by
-`datasets.save_to_disk`), then `map_batches` sends batches to a pool of actors that each hold
-one engine (`--replicas`, with `--num-gpus` per replica on GPU nodes). Output columns follow
+Ray Data reads the dataset (a .jsonl file, a .parquet file or directory, a directory saved by
+`datasets.save_to_disk` (`--split` picks a DatasetDict's split) or the name of a dataset in the
+local `datasets` cache, read offline), then `map_batches` sends batches to a pool of actors that
+each hold one engine (`--replicas`, with `--num-gpus` per replica on GPU nodes, where the engine
+runs on CUDA). Output columns follow
 Ray Data LLM's schema: generated_text, num_input_tokens, num_generated_tokens, finish_reason,
 time_taken_llm, optional logprobs / top_logprobs, and __inference_error__, which is set (and
 the rest left empty) for a row that cannot be generated: a line that is not JSON, a missing or
-empty prompt, a prompt longer than the context. Such a row never fails the job. Parquet and
-datasets inputs keep all their columns; a jsonl line is kept verbatim in `record`.
+empty prompt, a prompt longer than the context. Such a row never fails the job; its token
+counts are null, and stay integers (pandas reads them as nullable Int64). Parquet and datasets
+inputs keep all their columns; a jsonl line is kept verbatim in `record`.
 
 One MLflow run per invocation records the parameters and throughput. The output directory is
 written beside its final path and renamed into place when complete.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -31,46 +35,18 @@ if str(ROOT) not in sys.path:  # `python pipelines/generate.py` from a checkout 
 
 import numpy as np  # noqa: E402
 
+from pipelines.cli import HelpFormatter  # noqa: E402
+
 ERROR = "__inference_error__"
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be used as asked; the message names the path or column."""
+TOKEN_COUNTS = ("num_input_tokens", "num_generated_tokens")
 
 
 # ----------------------------------------------------------------------------- reading
-def dataset_format(path: Path) -> str:
-    if not path.exists():
-        raise DatasetError(f"dataset not found: {path}")
-    if path.is_dir():
-        if any(path.rglob("*.arrow")):
-            return "arrow"
-        if any(path.rglob("*.parquet")):
-            return "parquet"
-        raise DatasetError(f"{path}: directory holds no .parquet or .arrow (datasets.save_to_disk) files")
-    if path.suffix in (".jsonl", ".json"):
-        return "jsonl"
-    if path.suffix == ".parquet":
-        return "parquet"
-    raise DatasetError(f"{path}: unsupported dataset format (use .jsonl, .parquet or a datasets directory)")
-
-
-def arrow_table(path: Path):
-    """A `datasets.save_to_disk` directory: Arrow IPC stream files."""
-    import pyarrow as pa
-
-    tables = []
-    for f in sorted(path.rglob("*.arrow")):
-        with pa.memory_map(str(f)) as src:
-            tables.append(pa.ipc.open_stream(src).read_all())
-    return pa.concat_tables(tables)
-
-
-def input_columns(path: Path, fmt: str, sample_lines: int = 1000) -> tuple[list[str], int | None]:
+def input_columns(spec: str, kind: str, split: str | None, sample_lines: int = 1000) -> tuple[list[str], int | None]:
     """Column names and, where cheap, the row count, read before starting Ray."""
-    if fmt == "jsonl":
+    if kind == "jsonl":
         keys, rows = set(), 0
-        with open(path) as f:
+        with open(spec) as f:
             for line in f:
                 if not line.strip():
                     continue
@@ -82,24 +58,30 @@ def input_columns(path: Path, fmt: str, sample_lines: int = 1000) -> tuple[list[
                     except ValueError:
                         pass
         return sorted(keys), rows
-    if fmt == "arrow":
-        t = arrow_table(path)
-        return t.column_names, t.num_rows
+    if kind == "datasets":
+        from sala.eval.calibration import load_hf_dataset
+
+        ds = load_hf_dataset(spec, split)
+        return ds.column_names, ds.num_rows
     import pyarrow.parquet as pq
 
-    ds = pq.ParquetDataset(str(path))
+    ds = pq.ParquetDataset(spec)
     return ds.schema.names, sum(f.metadata.num_rows for f in ds.fragments)
 
 
-def read_dataset(path: Path, fmt: str, column: str):
+def read_dataset(spec: str, kind: str, column: str, split: str | None):
     import ray
 
-    if fmt == "jsonl":
-        return ray.data.read_text(str(path), drop_empty_lines=True).map_batches(
+    if kind == "jsonl":
+        return ray.data.read_text(spec, drop_empty_lines=True).map_batches(
             parse_jsonl, fn_kwargs={"column": column}, batch_format="pyarrow")
-    if fmt == "arrow":
-        return ray.data.from_arrow(arrow_table(path))
-    return ray.data.read_parquet(str(path))
+    if kind == "datasets":
+        from sala.eval.calibration import load_hf_dataset
+
+        # Its Arrow table, not from_huggingface: that asks the Hub for a Parquet export of any
+        # dataset that carries a Hub name, and the datasets read here are local, offline.
+        return ray.data.from_arrow(load_hf_dataset(spec, split).with_format("arrow")[:])
+    return ray.data.read_parquet(spec)
 
 
 def parse_jsonl(batch, column: str):
@@ -127,18 +109,36 @@ def output_types():
             "top_logprobs": pa.list_(pa.list_(top)), ERROR: pa.string()}
 
 
+def with_nullable_int_metadata(table, names: tuple[str, ...]):
+    """Parquet keeps an int64 column with nulls (an error row's token counts) as int64, but pandas
+    reads it as float64 unless the file's pandas metadata names the nullable Int64 dtype: add
+    that, beside whatever pandas metadata the input columns brought, so `df.sum()` stays integer."""
+    import pandas as pd
+    import pyarrow as pa
+
+    ours = json.loads(pa.Schema.from_pandas(pd.DataFrame({n: pd.array([], "Int64") for n in names}),
+                                            preserve_index=False).metadata[b"pandas"])
+    meta = dict(table.schema.metadata or {})
+    base = json.loads(meta[b"pandas"]) if b"pandas" in meta else ours
+    base["columns"] = [c for c in base["columns"] if c["name"] not in names] + ours["columns"]
+    meta[b"pandas"] = json.dumps(base).encode()
+    return table.replace_schema_metadata(meta)
+
+
 class GenerateStage:
     """One engine per actor (the model loads once); each call generates one batch of rows.
     Output columns have fixed Arrow types, so batches that are all errors still share a schema."""
 
     def __init__(self, model_path: str, column: str, chat: bool, jsonl: bool, sampling: dict,
-                 top_logprobs: int | None, num_threads: int, engine_kwargs: dict):
+                 top_logprobs: int | None, num_threads: int, num_gpus: float, deterministic: bool, engine_kwargs: dict):
         import torch
 
+        from sala.checkpoint import gpu_device
         from sala.engine import Engine, SamplingParams
 
         torch.set_num_threads(num_threads)
-        self.engine = Engine.from_pretrained(model_path, **engine_kwargs)
+        self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), batch_invariant=deterministic,
+                                             **engine_kwargs)
         self.params = SamplingParams(**sampling, logprobs=top_logprobs)
         self.column, self.chat, self.jsonl, self.top_logprobs = column, chat, jsonl, top_logprobs
 
@@ -191,29 +191,33 @@ class GenerateStage:
         types = output_types()
         for name, vals in values.items():
             table = table.append_column(name, pa.array(vals, types[name]))
-        return table
+        return with_nullable_int_metadata(table, TOKEN_COUNTS)
 
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pipelines/generate.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--dataset", required=True, help=".jsonl, .parquet (file or directory) or a datasets directory")
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--dataset", required=True, help=".jsonl, .parquet (file or directory), a datasets.save_to_disk "
+                                                     "directory, or a dataset name in the local datasets cache")
+    ap.add_argument("--split", help="split of a DatasetDict (default: its only split)")
     ap.add_argument("--output", required=True, help="parquet directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
     ap.add_argument("--prompt-column", default="prompt", help="column of prompt strings")
     ap.add_argument("--messages-column", help="column of chat messages instead (rendered with the chat template)")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per row, at most")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0 = off)")
     ap.add_argument("--seed", type=int, help="sampling seed (each row draws from its own seeded generator)")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--logprobs", type=int, help="store each token's logprob and this many alternatives (0-256)")
     ap.add_argument("--replicas", type=int, default=1, help="engine actors")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor")
-    ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine actor")
+    ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine actor; > 0 runs the engine on CUDA")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="evaluation mode: a row's logprobs are bitwise identical whatever else is in its batch (slower)")
     ap.add_argument("--batch-size", type=int, default=64, help="rows per map_batches call")
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget per step")
     ap.add_argument("--experiment", default="generate", help="MLflow experiment")
@@ -221,6 +225,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("max_tokens", "replicas", "batch_size"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.num_gpus < 0:
+        ap.error("--num-gpus must be >= 0")
     return args
 
 
@@ -234,18 +240,26 @@ def main(argv=None) -> int:
     from pipelines.raycluster import RayUnavailable, init_ray
     from pipelines.registry import ModelSpecError, resolve_model_path
     from pipelines.tracking import TrackingError, setup_mlflow
+    from sala.checkpoint import DeviceUnavailable, gpu_device
     from sala.engine import InvalidParam, SamplingParams
+    from sala.eval.calibration import DatasetError, dataset_kind
 
-    dataset, output = Path(args.dataset).expanduser().absolute(), Path(args.output).expanduser().absolute()
+    output = Path(args.output).expanduser().absolute()
     column = args.messages_column or args.prompt_column
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     seed=args.seed, stop=args.stop)
     try:
         SamplingParams(**sampling, logprobs=args.logprobs).validate(vocab_size=1)  # no stop_token_ids flag: any size
+        if not os.environ.get("RAY_ADDRESS"):  # a local Ray has this machine's GPUs or none; a cluster may add GPU nodes
+            gpu_device(args.num_gpus)
         if output.exists() and not args.overwrite:
             raise DatasetError(f"{output} exists; pass --overwrite to replace it")
-        fmt = dataset_format(dataset)
-        columns, rows = input_columns(dataset, fmt)
+        kind = dataset_kind(args.dataset)
+        # A path is made absolute (a Ray job runs elsewhere); a cached dataset's name stays a name.
+        dataset = str(Path(args.dataset).expanduser().absolute()) if Path(args.dataset).expanduser().exists() else args.dataset
+        if args.split is not None and kind != "datasets":
+            raise DatasetError(f"--split: {dataset} is a {kind} dataset, which has no splits")
+        columns, rows = input_columns(dataset, kind, args.split)
         if rows == 0:
             raise DatasetError(f"dataset {dataset} has no rows")
         if column not in columns:
@@ -255,32 +269,40 @@ def main(argv=None) -> int:
         init_ray()
     except InvalidParam as e:
         return fail(f"--{e.param.replace('_', '-')}: {e}")
+    except DeviceUnavailable as e:
+        return fail(f"--num-gpus: {e}")
     except (DatasetError, ModelSpecError, TrackingError, RayUnavailable) as e:
         return fail(str(e))
-    return run(args, dataset, fmt, column, rows, model_path, output, sampling)
+    return run(args, dataset, kind, column, rows, model_path, output, sampling)
 
 
-def run(args, dataset: Path, fmt: str, column: str, rows: int, model_path: Path, output: Path, sampling: dict) -> int:
+def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path, output: Path, sampling: dict) -> int:
     import mlflow
     import pyarrow.parquet as pq
     import ray
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": str(dataset), "rows": rows,
-              "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus, "batch_size": args.batch_size,
-              "output": str(output), **sampling}
-    with mlflow.start_run(run_name=f"generate-{dataset.stem}"):
+    params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": dataset, "split": args.split,
+              "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
+              "deterministic": args.deterministic, "batch_size": args.batch_size, "output": str(output), **sampling}
+    with mlflow.start_run(run_name=f"generate-{Path(dataset).stem}") as mlflow_run:
         mlflow.log_params(params)
         start = time.perf_counter()
-        ds = read_dataset(dataset, fmt, column).map_batches(
+        ds = read_dataset(dataset, kind, column, args.split).map_batches(
             GenerateStage,
             fn_constructor_kwargs=dict(model_path=str(model_path), column=column, chat=bool(args.messages_column),
-                                       jsonl=fmt == "jsonl", sampling=sampling, top_logprobs=args.logprobs,
-                                       num_threads=max(1, int(args.num_cpus)),
+                                       jsonl=kind == "jsonl", sampling=sampling, top_logprobs=args.logprobs,
+                                       num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
+                                       deterministic=args.deterministic,
                                        engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
                                                       "max_waiting": max(256, args.batch_size)}),
             batch_size=args.batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=args.replicas),
-            num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False)
+            num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False,
+            # Ray Data hands its actors their constructor arguments through the object store, where
+            # a restarted actor cannot count on finding them (ray-project/ray#53727), and Ray core
+            # says so in an error line on every run. So no restarts: an engine actor that dies
+            # (a lost node) fails the job, which is run again.
+            max_restarts=0)
         staging = output.with_name(f".{output.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
         ds.write_parquet(str(staging))
@@ -288,7 +310,7 @@ def run(args, dataset: Path, fmt: str, column: str, rows: int, model_path: Path,
         if output.exists():
             shutil.rmtree(output)
         staging.rename(output)
-        table = pq.read_table(str(output), columns=["num_input_tokens", "num_generated_tokens", ERROR])
+        table = pq.read_table(str(output), columns=[*TOKEN_COUNTS, ERROR])
         errors = table.column(ERROR).drop_null()
         generated = int(np.nansum(table.column("num_generated_tokens").to_numpy(zero_copy_only=False)))
         prompt_tokens = int(np.nansum(table.column("num_input_tokens").to_numpy(zero_copy_only=False)))
@@ -300,6 +322,7 @@ def run(args, dataset: Path, fmt: str, column: str, rows: int, model_path: Path,
           f"{metrics['generated_tokens_per_s']:.0f} generated tokens/s", flush=True)
     if len(errors):
         print(f"first error: {errors[0].as_py()}", flush=True)
+    print(f"mlflow run {mlflow_run.info.run_id} (experiment {args.experiment})", flush=True)
     print(json.dumps(metrics), flush=True)
     return 0
 

@@ -16,7 +16,7 @@ import argparse
 import hashlib
 import json
 import os
-import re
+import shlex
 import shutil
 import signal
 import sys
@@ -30,8 +30,9 @@ if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout 
 
 import torch  # noqa: E402
 
+from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
-from pipelines.registry import ModelSpecError, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
+from pipelines.registry import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
 from pipelines.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, load_model, read_config  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
@@ -44,7 +45,7 @@ INTERRUPT_ENV = "SALA_INTERRUPT_AFTER_LAYER"  # test hook: Ctrl-C the driver onc
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pipelines/quantize.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
     ap.add_argument("--output", help="checkpoint directory to write (default: $SALA_HOME/quantized/<model>-nvfp4-<method>-<rule>, "
                                      "replaced on each run)")
@@ -55,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of the mean diagonal")
     ap.add_argument("--mode", choices=["sequential", "parallel"], default="sequential",
                     help="sequential: Hessians through already quantized layers (accurate); parallel: all from BF16 (fast)")
-    ap.add_argument("--calibration", help="jsonl / parquet / datasets dir (default: tiny-sala corpus + generated code, Q&A, lists)")
+    ap.add_argument("--calibration", help="jsonl / parquet / a datasets.save_to_disk directory / a dataset name in the local "
+                                          "datasets cache (default: tiny-sala corpus + generated code, Q&A, lists)")
+    ap.add_argument("--split", help="split of a DatasetDict given to --calibration (default: its only split)")
     ap.add_argument("--text-column", help="column holding the text (default: text, prompt, messages or content)")
     ap.add_argument("--mix-from", help="dataset whose task mix the calibration set should match (e.g. the eval set)")
     ap.add_argument("--target-mix", help="explicit task mix, e.g. code=0.3,qa=0.3,prose=0.3,list=0.1")
@@ -359,13 +362,6 @@ def plots(rows: list[dict], kinds: list[str]):
 
 
 # ------------------------------------------------------------------------------------- main
-def model_name(spec: str | None, model_dir: Path) -> str:
-    """A readable name: the registry name, or the directory name without tiny-sala's recipe hash."""
-    if spec and spec.startswith("models:/"):
-        return spec.removeprefix("models:/").split("@")[0].split("/")[0]
-    return re.sub(r"-[0-9a-f]{12}$", "", model_dir.name)
-
-
 def default_output(name: str, args) -> Path:
     return sala_home() / "quantized" / f"{name}-nvfp4-{args.method}-{args.scale_rule}"
 
@@ -417,7 +413,7 @@ def run(args) -> int:
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows, report = cal.calibration_source(tokenizer, args.calibration, args.text_column)
+    rows, report = cal.calibration_source(tokenizer, args.calibration, args.text_column, args.split)
     mix = target_mix(args)
     seqs = cal.sample_and_pack(rows, tokenizer, args.num_samples, args.seq_len, mix)
     print(f"model      {model_dir}\noutput     {output}\nmlflow     {tracking_uri()}")
@@ -481,6 +477,7 @@ def run(args) -> int:
                 set_alias(register_name, args.alias, version)
 
     print_summary(rows_table, quality, gate, args, output, register_name, version, run.info.run_id, time.time() - t_start, quant_seconds)
+    print(next_steps(output, register_name, version, gate, args.alias, run.info.experiment_id, run.info.run_id), flush=True)
     return 0
 
 
@@ -502,6 +499,35 @@ def print_summary(rows, quality, gate, args, output, name, version, run_id, seco
                       "kl_mean": round(quality["kl_mean"], 6), "top1_agreement": round(quality["top1_agreement"], 4),
                       "gate_passed": gate, "quantize_seconds": round(quant_seconds, 2), "total_seconds": round(seconds, 2),
                       "output": str(output), "registered_version": version}))
+
+
+def next_steps(output: Path, name: str, version: str | None, gate: bool, alias: str, experiment_id: str, run_id: str) -> str:
+    """The commands that use this run's checkpoint, with its real URIs and paths, ready to paste into
+    the same shell (the environment that located the registry is spelled out)."""
+    spec = (f"models:/{name}@{alias}" if gate else f"models:/{name}/{version}") if version else str(output)
+    env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("SALA_HOME", "MLFLOW_TRACKING_URI") if os.environ.get(k))
+    prefix = f"{env} " if env else ""
+
+    def here(path: Path) -> str:  # relative to the working directory when under it, as the user typed it
+        return shlex.quote(os.path.relpath(path) if Path(path).absolute().is_relative_to(Path.cwd()) else str(path))
+
+    python = here(Path(sys.executable))
+    uri = tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        ui = f"open {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    else:
+        ui = (f"{here(Path(sys.executable).with_name('mlflow'))} ui --backend-store-uri {shlex.quote(uri)}, "
+              f"then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}")
+    out = sala_home() / "generated" / model_name(spec, output)
+    return "\n".join([
+        "\nnext steps",
+        f"  serve it     {prefix}{python} -m serve.app --model {shlex.quote(spec)}",
+        f"               then: curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
+        f"""-d '{{"model": "{model_name(spec, output)}", "prompt": "The for statement", "max_tokens": 16}}'""",
+        f"  batch        {prefix}{python} {here(ROOT / 'pipelines' / 'generate.py')} --model {shlex.quote(spec)} "
+        f"--dataset PROMPTS.jsonl --output {shlex.quote(str(out))}",
+        f"  MLflow UI    {ui}",
+    ])
 
 
 if __name__ == "__main__":

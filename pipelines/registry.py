@@ -6,6 +6,7 @@ resolves here to a plain directory the engine and the pipelines read.
 """
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -64,6 +65,13 @@ def _registry_version(uri: str) -> tuple[str, str]:
         return name, str(client.get_model_version(name, version).version)
     except MlflowException as e:
         raise ModelSpecError(f"{uri}: not in the model registry ({e.message})") from e
+
+
+def model_name(spec: str | None, model_dir: Path) -> str:
+    """A checkpoint's own name: the registered model's, or the directory's without tiny-sala's recipe hash."""
+    if spec and spec.startswith("models:/"):
+        return spec.removeprefix("models:/").split("@")[0].split("/")[0]
+    return re.sub(r"-[0-9a-f]{12}$", "", Path(model_dir).name)
 
 
 def resolve_model_path(spec: str | None) -> Path:

@@ -236,6 +236,21 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
         raise CheckpointError(f"{source}: unexpected tensor {extra[0]} (not a parameter of this config)")
 
 
+class DeviceUnavailable(RuntimeError):
+    """GPUs were asked for where torch sees none."""
+
+
+def gpu_device(num_gpus: float) -> str:
+    """The device for a process that reserved `num_gpus` GPUs: "cuda" (Ray points
+    CUDA_VISIBLE_DEVICES at the reserved ones), or "cpu" for none."""
+    if not num_gpus:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(f"{num_gpus:g} GPU(s) asked for, but torch {torch.__version__} sees no CUDA device "
+                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); ask for 0 GPUs to run on the CPU")
+    return "cuda"
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True):
     """Load a SALA checkpoint directory into SALAForCausalLM (eval mode).
 
@@ -249,11 +264,18 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
     if getattr(config, "quantization_config", None):
         from sala.quant.export import load_quantized_model
 
-        return load_quantized_model(path, dtype=dtype, device=device, verify=verify)
-    state = load_state_dict(path, verify=verify)
-    with torch.device("meta"):
-        model = SALAForCausalLM(config)
-    check_state_dict(model, state, path)
-    dtype = dtype or next(iter(state.values())).dtype
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return model.to(device).eval()
+        model = load_quantized_model(path, dtype=dtype, device=device, verify=verify)
+    else:
+        state = load_state_dict(path, verify=verify)
+        with torch.device("meta"):
+            model = SALAForCausalLM(config)
+        check_state_dict(model, state, path)
+        dtype = dtype or next(iter(state.values())).dtype
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+        model = model.to(device).eval()
+    if (path / "generation_config.json").exists():
+        # As from_pretrained does: its eos ids may name end-of-turn tokens that config.json lacks.
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model

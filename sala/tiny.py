@@ -287,8 +287,11 @@ def ensure_tiny_sala(progress: bool = True, rebuild: bool = False) -> Path:
     if (target / "manifest.json").exists() and not rebuild:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with _file_lock(target.parent / f".{target.name}.lock", "another process is building tiny-sala; waiting for it" if progress else None):
         if rebuild or not (target / "manifest.json").exists():
+            if progress:
+                print(f"building tiny-sala, the default model, into {target}: once, about 4 minutes on 2 CPU cores",
+                      file=sys.stderr, flush=True)
             build(target, progress)
     return target
 
@@ -298,9 +301,14 @@ def heldout_texts(model_dir: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path, waiting_message: str | None = None):
     with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting_message:
+                print(waiting_message, file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -1,12 +1,14 @@
 """Ray Serve app: the SALA engine behind an OpenAI-compatible and an SGLang-style HTTP API.
 
     serve run serve/config.yaml                                   # tiny-sala on 127.0.0.1:8000
-    python -m serve.app --model models:/sala@champion --port 8000  # the same, from Python
+    python -m serve.app --model models:/sala@champion --port 8000  # the same, from Python, served as `sala`
 
 One deployment holds one engine and its FastAPI ingress, so tokens go from the engine's step
 thread to the HTTP stream without crossing processes. Endpoints: /v1/models,
 /v1/completions, /v1/chat/completions, /generate, /health and /metrics (Prometheus).
 With SALA_API_KEY set (or `api_key=`), /v1/* and /generate need `Authorization: Bearer KEY`.
+The served model is named after the checkpoint (the registered model, or the directory) unless
+`served_model_name` gives one or more names; a request may name any of them, or none.
 A client that goes away mid-request cancels its engine requests, which frees their cache.
 """
 # No `from __future__ import annotations` here: Serve's class-based routes need FastAPI to see
@@ -17,10 +19,12 @@ import hmac
 import json
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -29,7 +33,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import RayActorError, TaskCancelledError
+from ray.serve.exceptions import RayServeException
 
+from sala.checkpoint import DeviceUnavailable, gpu_device
 from sala.engine import AsyncEngine, Engine, InvalidParam, QueueFull, RequestOutput, RequestStream, SamplingParams
 from serve.protocol import (
     PARAM_NAMES,
@@ -87,23 +94,48 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class EventStream(StreamingResponse):
+    """An SSE response that takes Serve's word for a disconnect. Under Serve, `receive()` raises
+    TaskCancelledError when the client has gone instead of returning `http.disconnect`; raised
+    from starlette's disconnect listener, it would end the request with an exception that nobody
+    retrieves: a "Future exception was never retrieved" traceback in the replica log for every
+    client that leaves. A client leaving is normal: Serve logs its one line, the stream stops."""
+
+    async def listen_for_disconnect(self, receive) -> None:
+        try:
+            await super().listen_for_disconnect(receive)
+        except TaskCancelledError:
+            pass
+
+
+# Defined before SalaServer: Serve freezes the class's globals when it is decorated.
+def served_names(served_model_name: str | list[str] | None) -> list[str]:
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    if any(not isinstance(n, str) or not n for n in names):
+        raise ValueError(f"served_model_name must be a non-empty string or a list of them, got {served_model_name!r}")
+    return names
+
+
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30)
 @serve.ingress(api)
 class SalaServer:
-    def __init__(self, model: str | None = None, served_model_name: str | None = None, api_key: str | None = None,
+    def __init__(self, model: str | None = None, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, num_threads: int | None = None,
-                 engine_kwargs: dict | None = None):
+                 num_gpus: float = 0, deterministic: bool = False, engine_kwargs: dict | None = None):
         import torch
 
-        from pipelines.registry import resolve_model_path
+        from pipelines.registry import model_name, resolve_model_path
 
         if num_threads:
             torch.set_num_threads(num_threads)
+        device = gpu_device(num_gpus)  # before the download: a replica without CUDA fails at once
         path = resolve_model_path(model)
-        self.engine = AsyncEngine(Engine.from_pretrained(path, **(engine_kwargs or {})))
+        self.engine = AsyncEngine(Engine.from_pretrained(path, device=device, batch_invariant=deterministic,
+                                                         **(engine_kwargs or {})))
         self.tokenizer = self.engine.engine.tokenizer
         self.text_of = TokenText(self.tokenizer)
-        self.name = served_model_name or ("tiny-sala" if model is None else model if model.startswith("models:/") else Path(model).name)
+        # As vLLM's --served-model-name: requests may use any of the names, responses carry the one asked for.
+        self.names = served_names(served_model_name) or [model_name(model, path)]
         self.api_key = api_key or None
         self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
         self.max_model_len = self.engine.engine.max_model_len
@@ -153,10 +185,14 @@ class SalaServer:
         except ValueError as e:
             raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
-    def _check_model(self, model: str) -> None:
-        if model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`",
+    def _check_model(self, model: str | None) -> str:
+        """The name to answer with: the requested one, or the first served name when none is given."""
+        if model is None:
+            return self.names[0]
+        if model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(f'`{n}`' for n in self.names)}",
                            param="model", code="model_not_found")
+        return model
 
     def _max_tokens(self, requested: int | None, default: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         if requested is None:
@@ -224,7 +260,7 @@ class SalaServer:
                 yield sse(APIError(500, str(e), "server_error").body())
             yield sse("[DONE]")
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return EventStream(body(), media_type="text/event-stream")
 
     # ---- endpoints --------------------------------------------------------------------------
 
@@ -240,8 +276,8 @@ class SalaServer:
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         async def handler(_):
-            return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": 0,
-                                                             "owned_by": "sala", "max_model_len": self.max_model_len}]})
+            return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "sala",
+                                                             "max_model_len": self.max_model_len} for name in self.names]})
 
         return await self._handle("models", request, None, handler)
 
@@ -259,13 +295,13 @@ class SalaServer:
 
     async def _completions(self, body: CompletionRequest) -> Response:
         start = time.perf_counter()
-        self._check_model(body.model)
+        name = self._check_model(body.model)
         prompts = body.prompts()
         streams = self._submit(prompts, body.n, lambda ids: body.sampling(self._max_tokens(body.max_tokens, 16, len(ids)), body.logprobs))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
+        head = {"id": rid, "object": "text_completion", "created": created, "model": name}
         choices = [Choice(i) for i in range(len(streams))]
-        prompt_tokens = sum(s.num_prompt_tokens for s in streams)
+        prompt_tokens = sum(s.num_prompt_tokens for s in streams[:: body.n])  # each prompt once, whatever n (as OpenAI)
         if body.stream:
             async def events():
                 for_usage = body.stream_options and body.stream_options.include_usage
@@ -287,7 +323,7 @@ class SalaServer:
 
     async def _chat(self, body: ChatCompletionRequest) -> Response:
         start = time.perf_counter()
-        self._check_model(body.model)
+        name = self._check_model(body.model)
         top = body.top_k_logprobs()
         text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
                                                   tokenize=False, add_generation_prompt=True)
@@ -295,7 +331,7 @@ class SalaServer:
             else (body.max_tokens, "max_tokens")
         streams = self._submit([text], body.n, lambda ids: body.sampling(self._max_tokens(requested, None, len(ids), param), top))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.name}
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": name}
         choices = [Choice(i) for i in range(len(streams))]
         prompt_tokens = streams[0].num_prompt_tokens
         if body.stream:
@@ -357,13 +393,20 @@ class SalaServer:
         return JSONResponse(result(choices[0]) if single else [result(c) for c in choices])
 
 
-def build_app(model: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
-              num_cpus: float = 1.0, num_threads: int | None = None, max_body_bytes: int = 1 << 20,
-              max_tokens_limit: int = 1024, **engine_kwargs):
-    """The Serve application for `serve.run`; api_key defaults to $SALA_API_KEY (unset: no auth)."""
+def build_app(model: str | None = None, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
+              num_cpus: float = 1.0, num_gpus: float = 0, deterministic: bool = False, num_threads: int | None = None,
+              max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, **engine_kwargs):
+    """The Serve application for `serve.run`; api_key defaults to $SALA_API_KEY (unset: no auth).
+    num_gpus > 0 reserves that many GPUs for the replica and runs the engine on CUDA; deterministic
+    makes a request's logprobs bitwise independent of the rest of the batch (evaluation mode, slower)."""
+    served_names(served_model_name)  # a bad value fails here, not in the replica
+    if num_gpus < 0:
+        raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
     api_key = os.environ.get("SALA_API_KEY") if api_key is None else api_key
-    return SalaServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(
-        model, served_model_name, api_key, max_body_bytes, max_tokens_limit, num_threads, engine_kwargs)
+    return SalaServer.options(ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}).bind(
+        model, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+        max_tokens_limit=max_tokens_limit, num_threads=num_threads, num_gpus=num_gpus, deterministic=deterministic,
+        engine_kwargs=engine_kwargs)
 
 
 def app_builder(args: dict):
@@ -371,24 +414,70 @@ def app_builder(args: dict):
     return build_app(**args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m serve.app", description="Serve a SALA checkpoint over HTTP")
     ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs the replica reserves in Ray")
+    ap.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                    help="name(s) requests may use; responses carry the one asked for, or the first "
+                         "(default: the registered model's name, or the directory's)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs the replica reserves in Ray (default: %(default)s)")
+    ap.add_argument("--num-gpus", type=float, default=0.0,
+                    help="GPUs the replica reserves in Ray; > 0 runs the engine on CUDA (default: %(default)s)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="evaluation mode: a request's logprobs are bitwise identical whatever else is in the batch; "
+                         "costs throughput")
     ap.add_argument("--num-threads", type=int, help="torch threads in the replica (default: torch's choice)")
-    ap.add_argument("--max-tokens-limit", type=int, default=1024)
+    ap.add_argument("--max-tokens-limit", type=int, default=1024,
+                    help="largest max_tokens a request may ask for (default: %(default)s)")
     args = ap.parse_args(argv)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(args.model, num_cpus=args.num_cpus, num_threads=args.num_threads,
-                        max_tokens_limit=args.max_tokens_limit), name="sala", route_prefix="/")
-    print(f"serving on http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
+    if args.num_gpus < 0:
+        ap.error("--num-gpus must be >= 0")
+    return args
+
+
+def _app_running(name: str) -> bool:
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+        return name in serve.status().applications
+    except (RayActorError, RayServeException):  # the controller is gone: `serve shutdown` stopped Serve
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    args = parse_args(argv)
+    if not os.environ.get("RAY_ADDRESS"):
+        # A local Ray has this machine's GPUs or none; a cluster may add GPU nodes on demand.
+        try:
+            gpu_device(args.num_gpus)
+        except DeviceUnavailable as e:
+            print(f"error: --num-gpus: {e}", file=sys.stderr)
+            return 2
+    ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+                        deterministic=args.deterministic, num_threads=args.num_threads, max_tokens_limit=args.max_tokens_limit),
+              name="sala", route_prefix="/")
+    stop_cmd = "serve shutdown -y"
+    if ctx.dashboard_url and ctx.dashboard_url.rsplit(":", 1)[-1] != "8265":
+        stop_cmd += f" --address http://{ctx.dashboard_url}"
+    if os.environ.get("RAY_AUTH_MODE") == "token":  # set by ray.init when it enabled token auth
+        stop_cmd = f"RAY_AUTH_MODE=token {stop_cmd}"
+    print(f"serving on http://{args.host}:{args.port}; stop with Ctrl-C, or from another shell: {stop_cmd}", flush=True)
+    # Ray's own SIGTERM handler dumps a stack trace and kills the process: stop cleanly instead.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(2):
+        if not _app_running("sala"):
+            print("Serve was shut down; exiting", flush=True)
+            return 0
+    # Only this app: on a shared cluster Serve and its other apps stay (and serve.shutdown's
+    # killed controller would add a raylet line about a failed, retried task).
+    serve.delete("sala")
+    print("stopped", flush=True)
     return 0
 
 

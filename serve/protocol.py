@@ -41,7 +41,7 @@ class StreamOptions(_Body):
 
 
 class _OpenAISampling(_Body):
-    model: str
+    model: str | None = None  # as in vLLM: omitted means the server's (first) model
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -53,6 +53,7 @@ class _OpenAISampling(_Body):
     stop_token_ids: list[int] | None = None  # extension
     seed: int | None = None
     ignore_eos: bool = False  # extension
+    skip_special_tokens: bool = True  # extension (vLLM)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -69,6 +70,7 @@ class _OpenAISampling(_Body):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
         )
 
@@ -129,6 +131,7 @@ class GenerateSampling(BaseModel):
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    skip_special_tokens: bool = True
 
 
 class GenerateRequest(_Body):
@@ -157,7 +160,7 @@ class GenerateRequest(_Body):
         return SamplingParams(
             max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
             seed=s.sampling_seed, stop=[s.stop] if isinstance(s.stop, str) else list(s.stop or []),
-            stop_token_ids=list(s.stop_token_ids or []), ignore_eos=s.ignore_eos,
+            stop_token_ids=list(s.stop_token_ids or []), ignore_eos=s.ignore_eos, skip_special_tokens=s.skip_special_tokens,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
             prompt_logprobs_start=self.logprob_start_len if self.return_logprob and self.logprob_start_len >= 0 else None,
         )

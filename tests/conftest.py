@@ -55,3 +55,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cache_hf_dataset(cache_dir, name: str, splits: dict[str, list[dict]]) -> None:
+    """Put `splits` into a `datasets` cache under `name`, laid out as a download from the Hub leaves
+    it (<name>/<config>/<version>/<hash>/), by the json builder such a download runs."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from datasets.packaged_modules.json.json import Json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+        for split, rows in splits.items():
+            files[split] = str(Path(tmp, f"{split}.jsonl"))
+            Path(files[split]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        Json(cache_dir=str(cache_dir), dataset_name=name, config_id="default", hash="0" * 40,
+             data_files=files).download_and_prepare()

@@ -20,6 +20,7 @@ from sala.eval.calibration import (
     text_column,
     to_rows,
 )
+from tests.conftest import cache_hf_dataset
 
 WORDS = "apple river keyboard mountain silent orange bottle window candle forest tiger pencil cloud".split()
 
@@ -67,21 +68,44 @@ def test_low_semantic_rows_are_down_weighted():
     assert share < 0.2  # uniform sampling would give about 0.5
 
 
-def test_readers_jsonl_parquet_and_datasets_dir(tmp_path):
+def test_readers_jsonl_and_parquet(tmp_path):
     recs = [{"text": f"row {i}", "task": "qa" if i % 2 else "code"} for i in range(6)]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n{not json\n")
     got, bad = read_records(tmp_path / "d.jsonl")
     assert got == recs and bad == 1
     pq.write_table(pa.Table.from_pylist(recs), tmp_path / "d.parquet")
     assert read_records(tmp_path / "d.parquet") == (recs, 0)
-    ds = tmp_path / "ds" / "train"
-    ds.mkdir(parents=True)
-    table = pa.Table.from_pylist(recs)
-    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    assert read_records(tmp_path / "ds")[0] == recs
     rows = to_rows(got, text_column(got, "d.jsonl"))
     assert analyse(rows).by_task == {"code": 3, "qa": 3}
+
+
+def test_datasets_library_splits_shards_features_and_cache(tmp_path, monkeypatch):
+    """A DatasetDict written by `datasets` (several shards, a ClassLabel task column, a chat column)
+    is read through `datasets`, one split at a time; so is a dataset in the local datasets cache."""
+    import datasets
+
+    features = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+                                  "task": datasets.ClassLabel(names=["code", "qa"])})
+    chat = [{"messages": [{"role": "user", "content": f"question {i}?"}], "task": i % 2} for i in range(7)]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(chat, features=features),
+                               "test": datasets.Dataset.from_list(chat[:2], features=features)})
+    dd.save_to_disk(str(tmp_path / "dd"), num_shards={"train": 3, "test": 1})
+    assert len(list((tmp_path / "dd" / "train").glob("*.arrow"))) == 3
+    got, bad = read_records(tmp_path / "dd", split="train")
+    assert bad == 0 and got == [{**r, "task": ["code", "qa"][r["task"]]} for r in chat]
+    assert read_records(tmp_path / "dd" / "test")[0] == got[:2]  # a split's own directory is a Dataset
+    rows = to_rows(got, text_column(got, "dd"))
+    assert analyse(rows).by_task == {"code": 4, "qa": 3} and rows[0].text == "user: question 0?"
+    with pytest.raises(DatasetError, match="holds several splits.*choose one with --split"):
+        read_records(tmp_path / "dd")
+    with pytest.raises(DatasetError, match="has no split 'validation'"):
+        read_records(tmp_path / "dd", split="validation")
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    cache_hf_dataset(tmp_path / "hf-cache", "sala_calib", {"train": [{"text": "cached row", "task": "qa"}]})
+    assert read_records("sala_calib") == ([{"text": "cached row", "task": "qa"}], 0)
+    with pytest.raises(DatasetError, match="nor a dataset in the local datasets cache"):
+        read_records("no_such_cached_dataset")
 
 
 def test_bad_datasets_name_the_problem(tmp_path):

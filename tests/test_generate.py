@@ -2,14 +2,19 @@
 
 Expected texts come from the engine run in this process on the same weights.
 """
+import contextlib
+import io
 import json
 
+import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from pipelines import generate
 from sala.engine import SamplingParams
 from sala.tiny import heldout_texts
+from tests.conftest import cache_hf_dataset
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +49,22 @@ def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlfl
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    code = generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
-                          "--max-tokens", "4", "--num-cpus", "0.5", "--batch-size", "50", "--logprobs", "2"])
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:  # not capsys: Ray's loggers would keep its stream
+        code = generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
+                              "--max-tokens", "4", "--num-cpus", "0.5", "--batch-size", "50", "--logprobs", "2",
+                              "--deterministic"])
     assert code == 0
+    printed = stdout.getvalue()
+    print(printed)
+    # The error row's token counts are null, and the columns stay integers: in the Parquet schema,
+    # and in pandas (nullable Int64), so sums are integers.
+    for f in sorted(out.glob("*.parquet")):
+        schema = pq.read_schema(f)
+        assert schema.field("num_input_tokens").type == pa.int64() and schema.field("num_generated_tokens").type == pa.int64()
+    df = pd.read_parquet(out)
+    print(df.dtypes[list(generate.TOKEN_COUNTS)].to_dict(), df[list(generate.TOKEN_COUNTS)].sum().to_dict())
+    assert all(str(df[c].dtype) == "Int64" for c in generate.TOKEN_COUNTS)
+    assert df["num_generated_tokens"].isna().sum() == 1 and isinstance(df["num_generated_tokens"].sum().item(), int)
     table = pq.read_table(str(out)).to_pandas()
     assert len(table) == 200
     bad = table[table[generate.ERROR].notna()]
@@ -67,6 +85,7 @@ def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlfl
     (run,) = mlflow.search_runs(experiment_names=["generate"], output_format="list")
     assert run.data.metrics["rows"] == 200 and run.data.metrics["errors"] == 1
     assert run.data.metrics["generated_tokens_per_s"] > 0
+    assert f"mlflow run {run.info.run_id}" in printed
 
 
 def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local_engine):
@@ -77,7 +96,7 @@ def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_st
     pq.write_table(pa.table({"conversation": chats, "tag": ["a", "b", "c"]}), str(data))
     out = tmp_path / "out"
     assert generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
-                          "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5"]) == 0
+                          "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5", "--deterministic"]) == 0
     table = pq.read_table(str(out)).to_pandas()
     assert list(table["tag"]) == ["a", "b", "c"] and table[generate.ERROR].isna().all()
     templated = [local_engine.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
@@ -85,7 +104,55 @@ def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_st
     assert list(table["generated_text"]) == [c.text for c in expected]
 
 
-def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_store, capsys):
+def test_dataset_dict_feeds_calibration_and_batch_generation(tiny_sala_dir, tmp_path, ray_session, mlflow_store,
+                                                            local_engine, monkeypatch):
+    """One DatasetDict saved with `datasets` (several shards, a chat column, a label column):
+    its train split calibrates, and batch generation reads the split asked for, keeping the
+    columns; a dataset in the local datasets cache is taken by name."""
+    import datasets
+
+    from sala.eval.calibration import calibration_source
+
+    chats = [[{"role": "user", "content": q}] for q in ("What is a list?", "Explain json.", "Name a module.", "What is a set?")]
+    features = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+                                  "tag": datasets.ClassLabel(names=["a", "b"])})
+    dd = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"messages": chats, "tag": [0, 1, 0, 1]}, features=features),
+        "test": datasets.Dataset.from_dict({"messages": chats[:2], "tag": [1, 1]}, features=features)})
+    dd.save_to_disk(str(tmp_path / "dd"), num_shards={"train": 2, "test": 1})
+
+    rows, report = calibration_source(local_engine.tokenizer, str(tmp_path / "dd"), split="train")
+    assert report.rows == 4 and rows[0].text.startswith("<|im_start|>user\nWhat is a list?")
+
+    out = tmp_path / "out"
+    assert generate.main(["--dataset", str(tmp_path / "dd"), "--split", "train", "--output", str(out),
+                          "--model", str(tiny_sala_dir), "--messages-column", "messages", "--max-tokens", "5",
+                          "--num-cpus", "0.5", "--deterministic"]) == 0
+    table = pq.read_table(str(out)).to_pandas()
+    templated = [local_engine.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    expected = local_engine.generate(templated, SamplingParams(max_tokens=5, temperature=0))
+    assert list(table["generated_text"]) == [c.text for c in expected] and list(table["tag"]) == [0, 1, 0, 1]
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    cache_hf_dataset(tmp_path / "hf-cache", "sala_prompts", {"train": [{"prompt": "The for statement"}] * 3,
+                                                              "test": [{"prompt": "The json module"}]})
+    out = tmp_path / "out-cached"
+    assert generate.main(["--dataset", "sala_prompts", "--split", "test", "--output", str(out), "--model", str(tiny_sala_dir),
+                          "--max-tokens", "3", "--num-cpus", "0.5", "--deterministic"]) == 0
+    (row,) = pq.read_table(str(out)).to_pylist()
+    assert row["prompt"] == "The json module"
+    assert row["generated_text"] == local_engine.generate(["The json module"], SamplingParams(max_tokens=3, temperature=0))[0].text
+
+
+def test_help_shows_real_defaults(capsys):
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: tiny-sala)" in text
+    assert "at most (default: 64)" in text  # --max-tokens
+
+
+def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_store, capsys, monkeypatch):
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "hi"}\n')
     empty = tmp_path / "empty.jsonl"
@@ -93,12 +160,20 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_sto
     existing = tmp_path / "existing"
     existing.mkdir()
     cases = {
-        "dataset not found": ["--dataset", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o1")],
+        "no such dataset": ["--dataset", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o1")],
+        "nor a dataset in the local datasets cache": ["--dataset", "no_such_cached_dataset", "--output", str(tmp_path / "o5")],
+        "has no splits": ["--dataset", str(good), "--output", str(tmp_path / "o6"), "--split", "train"],
         "column 'text' not found": ["--dataset", str(good), "--output", str(tmp_path / "o2"), "--prompt-column", "text"],
         "has no rows": ["--dataset", str(empty), "--output", str(tmp_path / "o3")],
         "pass --overwrite": ["--dataset", str(good), "--output", str(existing)],
         "temperature": ["--dataset", str(good), "--output", str(tmp_path / "o4"), "--temperature", "-1"],
     }
+    import torch
+
+    if not torch.cuda.is_available():
+        cases["--num-gpus: 1 GPU(s) asked for, but torch"] = ["--dataset", str(good), "--output", str(tmp_path / "o7"),
+                                                             "--num-gpus", "1"]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     for expected, argv in cases.items():
         assert generate.main(argv + ["--model", str(tiny_sala_dir)]) == 2
         err = capsys.readouterr().err.strip()

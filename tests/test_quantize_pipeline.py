@@ -3,7 +3,9 @@ real CLI in a subprocess; a worker killed mid-run; an interrupted run resumed; `
 import hashlib
 import json
 import os
+import re
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -103,6 +105,58 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
         for _ in range(8):
             seq.append(int(engine.model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
     assert got == seq[len(ids):]
+
+
+def test_last_lines_name_a_serve_command_that_works(env, sequential_run):
+    """The job ends with what to do next: the printed serve command, pasted into a shell, serves
+    the registered checkpoint under its registered name; the printed curl answers; the MLflow line
+    names this run's store and run; the server stops on SIGTERM without a stack dump."""
+    import signal
+
+    import httpx
+    from mlflow import MlflowClient
+
+    _, r = sequential_run
+    tail = r.stdout.rstrip().splitlines()[-5:]
+    print("\n".join(tail))
+    assert tail[0] == "next steps"
+    steps = {line[:15].strip(): line[15:].strip() for line in tail[1:] if line[:15].strip()}
+    serve_cmd = steps["serve it"]
+    assert "-m serve.app --model models:/tiny-q@champion" in serve_cmd
+    assert f"MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}" in serve_cmd
+    assert "--model models:/tiny-q@champion --dataset" in steps["batch"]
+    run_id = MlflowClient(env["MLFLOW_TRACKING_URI"]).search_runs(
+        [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("sala-quantize").experiment_id])[0].info.run_id
+    assert env["MLFLOW_TRACKING_URI"] in steps["MLflow UI"] and run_id in steps["MLflow UI"]
+
+    port = free_port()
+    words = shlex.split(serve_cmd)  # as a shell runs it: leading NAME=value words set the environment
+    n = next(i for i, w in enumerate(words) if not re.fullmatch(r"[A-Z_]+=.*", w))
+    assigned, argv = dict(w.split("=", 1) for w in words[:n]), words[n:] + ["--port", str(port)]
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**env, **assigned, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("serving on "):
+                break
+        assert proc.poll() is None, "".join(out[-40:])
+        curl = tail[2].split("then: ", 1)[1].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        body = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120).stdout)
+        assert body["model"] == "tiny-q" and body["choices"][0]["text"], body
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-q"]
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(out) + rest
+    print(log[-800:])
+    assert proc.returncode == 0 and "stopped" in log
+    assert "SIGTERM received" not in log and "Traceback" not in log
 
 
 def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path):

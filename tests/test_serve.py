@@ -2,10 +2,17 @@
 
 Expected outputs come from the engine run in this process on the same weights (the engine is
 itself checked against the model's full forward in test_engine.py) and, for logprobs, from the
-full forward directly.
+full forward directly. The README's serving commands run as written, in a shell, against
+`python -m serve.app` started from a registry URI.
 """
+import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,6 +25,8 @@ from tests.conftest import free_port
 
 API_KEY = "test-key"
 MODEL = "tiny-sala"
+ALIAS = "sala-alias"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +41,9 @@ def server(tiny_sala_dir):
         ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(str(tiny_sala_dir), served_model_name=MODEL, api_key=API_KEY, num_cpus=0.5, num_threads=1,
-                        max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4, max_waiting=4),
+    # deterministic: outputs are compared bitwise with an engine in this process (batch-invariant by default)
+    serve.run(build_app(str(tiny_sala_dir), served_model_name=[MODEL, ALIAS], api_key=API_KEY, num_cpus=0.5, num_threads=1,
+                        deterministic=True, max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4, max_waiting=4),
               name="sala", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -60,8 +70,16 @@ def greedy_text(local_engine, prompt, n):
 
 
 def test_models_and_health(http, server):
-    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL, ALIAS]
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_any_served_name_or_none(http):
+    """As vLLM's --served-model-name: every alias is accepted and echoed; no model means the first."""
+    for asked, answered in ((ALIAS, ALIAS), (None, MODEL)):
+        body = {"prompt": PROMPT, "max_tokens": 2} | ({"model": asked} if asked else {})
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == answered, r.text
 
 
 def test_completion_matches_the_engine(client, local_engine):
@@ -109,6 +127,44 @@ def test_logprobs_equal_full_forward_log_softmax(client, local_engine):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+
+
+def test_usage_counts_each_prompt_once_whatever_n(client, local_engine):
+    prompt_len = len(local_engine.encode(PROMPT))
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=1.0, n=3, seed=5)
+    print("completions n=3 usage:", r.usage)
+    assert r.usage.prompt_tokens == prompt_len and 3 <= r.usage.completion_tokens <= 9
+    two = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=2, n=2, seed=5)
+    assert two.usage.prompt_tokens == prompt_len + len(local_engine.encode("Hello"))
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, n=3, seed=5)
+    text = local_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.usage.prompt_tokens == len(local_engine.encode(text))
+
+
+MARKERS = ("<|im_start|>", "<|im_end|>")
+
+
+def test_chat_reply_ends_at_the_turn_without_template_markers(client, http, local_engine):
+    """Greedy tiny-sala answers, then opens a new turn with <|im_start|>assistant: the reply must
+    end there, so its text never holds a marker or the next turn's role line, even with
+    skip_special_tokens off."""
+    messages = [{"role": "user", "content": "What is a list?"}]
+    for skip in (True, False):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+                                           extra_body={"skip_special_tokens": skip})
+        text = r.choices[0].message.content
+        print(f"skip_special_tokens={skip}: {text!r} ({r.usage.completion_tokens} tokens, {r.choices[0].finish_reason})")
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 200
+        assert not any(m in text for m in MARKERS) and "assistant\n" not in text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == text
+    # The markers are real special tokens: asked not to stop and not to skip them, the text shows them.
+    raw = http.post("/v1/completions", json={"model": MODEL, "prompt": local_engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+        "skip_special_tokens": False}).json()["choices"][0]["text"]
+    assert "<|im_start|>assistant" in raw
 
 
 def test_n_choices_with_seed(client):
@@ -225,3 +281,165 @@ def test_disconnect_mid_stream_frees_the_slot_and_metrics_parse(server):
     assert samples[("sala_generation_tokens_total", ())] > 0
     assert samples[("sala_time_to_first_token_seconds_count", ())] > 0
     assert samples[("sala_inter_token_latency_seconds_count", ())] > 0
+
+
+def test_disconnects_leave_no_traceback_in_the_replica_log(server):
+    """Clients that leave mid-stream, in waves that fill the engine: each is cancelled with (at most)
+    Serve's one line, never a 'Future exception was never retrieved' traceback in the replica's log."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # this session's Ray log directory
+    before = {f: f.stat().st_size for f in logs.glob("worker-*.err")}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def leave_after(c, lines):
+        async with c.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            if r.status_code != 200:
+                return 0
+            async for i, _ in _aenumerate(r.aiter_lines()):
+                if i >= lines:
+                    return 1
+        return 1
+
+    async def waves():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return sum([sum(await asyncio.gather(*(leave_after(c, 1 + (w + i) % 7) for i in range(6)))) for w in range(5)])
+
+    left = asyncio.run(waves())
+    for _ in range(100):
+        if metric_samples(server)[("sala_running_requests", ())] == 0:
+            break
+        time.sleep(0.1)
+    time.sleep(2)  # the log monitor's pace: tracebacks of the last wave reach the files
+    new = "".join(f.read_text(errors="replace")[before.get(f, 0):] for f in logs.glob("worker-*.err"))
+    print(f"{left} clients left mid-stream; new replica stderr: {len(new.splitlines())} lines")
+    assert left >= 20
+    assert "Traceback" not in new and "never retrieved" not in new, new[-3000:]
+
+
+async def _aenumerate(it):
+    i = 0
+    async for x in it:
+        yield i, x
+        i += 1
+
+
+def test_num_gpus_without_cuda_is_a_clear_error(tiny_sala_dir):
+    import torch
+
+    from sala.checkpoint import DeviceUnavailable, gpu_device
+    from serve.app import parse_args
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = parse_args(["--num-gpus", "1", "--deterministic", "--served-model-name", "a", "b"])
+    assert (args.num_gpus, args.deterministic, args.served_model_name) == (1.0, True, ["a", "b"])
+    assert gpu_device(0) == "cpu"
+    with pytest.raises(DeviceUnavailable, match="sees no CUDA device"):  # what a replica given GPUs checks first
+        gpu_device(1)
+    r = subprocess.run([sys.executable, "-m", "serve.app", "--model", str(tiny_sala_dir), "--num-gpus", "1"],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, timeout=120)
+    print(r.stderr)
+    assert r.returncode == 2 and r.stderr.startswith("error: --num-gpus:") and "CUDA" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def readme_serving_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("## Serving"):text.index("\n## ", text.index("## Serving") + 1)]
+
+
+def shell_commands(section: str, first_word: str) -> list[str]:
+    """The README's commands starting with first_word, continuation lines joined, comments dropped."""
+    lines = section.replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+# .*$", "", line).strip() for line in lines if line.startswith(first_word + " ")]
+
+
+@pytest.fixture
+def registered_tiny_sala(tiny_sala_dir, tmp_path, monkeypatch):
+    """tiny-sala registered as the main job registers its checkpoint: tiny-sala-nvfp4@champion."""
+    from pipelines.registry import register_checkpoint, set_alias
+    from pipelines.tracking import setup_mlflow
+
+    env = {"SALA_HOME": str(tmp_path / "home"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    setup_mlflow("readme-test")
+    set_alias("tiny-sala-nvfp4", "champion", register_checkpoint(tiny_sala_dir, "tiny-sala-nvfp4"))
+    return env
+
+
+def start_server(argv: list[str], env: dict) -> tuple[subprocess.Popen, str, list[str]]:
+    """`python -m serve.app ...` in its own process and Ray; returns it once it serves, with the stop
+    command it printed and its output so far."""
+    env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    deadline = time.time() + 300
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("serving on "):
+                assert "from another shell: " in line, line
+                return proc, line.split("from another shell: ", 1)[1].strip(), out
+            assert time.time() < deadline, "".join(out[-50:])
+        raise AssertionError(f"server exited ({proc.wait()}):\n{''.join(out[-50:])}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def finish(proc: subprocess.Popen, out: list[str], timeout: float = 60) -> str:
+    rest, _ = proc.communicate(timeout=timeout)
+    return "".join(out) + rest
+
+
+def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
+    section = readme_serving_section()
+    (serve_cmd,) = [c for c in shell_commands(section, "python") if "serve.app" in c]
+    assert "models:/tiny-sala-nvfp4@champion" in serve_cmd
+    port = free_port()
+    argv = serve_cmd.replace("--port 8000", f"--port {port}").split()
+    proc, stop_cmd, out = start_server([sys.executable, *argv[1:]], registered_tiny_sala)
+    try:
+        curls = shell_commands(section, "curl")
+        assert len(curls) >= 5
+        for cmd in curls:
+            r = subprocess.run(["bash", "-c", cmd.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                               capture_output=True, text=True, timeout=120)
+            print(f"$ {cmd[:90]}\n{r.stdout[:300]}")
+            assert r.returncode == 0 and r.stdout, r.stderr
+            if "/metrics" in cmd:
+                assert "sala_requests_total" in r.stdout
+            elif "stream" in cmd:
+                events = [line for line in r.stdout.splitlines() if line]
+                assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+                assert not any('"error"' in e for e in events)
+            else:
+                body = json.loads(r.stdout)
+                assert "error" not in body, body
+        assert json.loads(subprocess.run(["bash", "-c", f"curl -s 127.0.0.1:{port}/v1/models"], capture_output=True,
+                                         text=True).stdout)["data"][0]["id"] == "tiny-sala-nvfp4"
+        snippet = section[section.index("```python\n") + 10:]
+        snippet = snippet[:snippet.index("```")].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        py = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)
+        print(f"python snippet: {py.stdout[:200]!r}")
+        assert py.returncode == 0 and py.stdout, py.stderr
+        # The README's stop instruction, as the server printed it (with its dashboard's address
+        # when that is not Ray's default).
+        (readme_stop,) = [c for c in shell_commands(section, "RAY_AUTH_MODE=token")]
+        assert stop_cmd.startswith(readme_stop)
+        stop = subprocess.run(["bash", "-c", stop_cmd], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+        assert stop.returncode == 0 and "Sent shutdown request" in stop.stdout + stop.stderr, stop.stdout + stop.stderr
+        log = finish(proc, out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(log[-1500:])
+    assert proc.returncode == 0 and "Serve was shut down; exiting" in log
+    assert "Traceback" not in log and "SIGTERM received" not in log

@@ -34,6 +34,21 @@ from sala.engine.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """Tokens that end a request (unless ignore_eos): the eos ids of config.json, generation_config
+    and the tokenizer, as vLLM takes them, plus every special token the chat template writes, so a
+    chat reply ends at the template's end-of-turn or start-of-turn marker instead of running on
+    into the next turn (a ChatML model that forgets <|im_end|> still begins a turn with <|im_start|>)."""
+    ids: set[int] = set()
+    for eos in (model.config.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                tokenizer.eos_token_id):
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    template = tokenizer.chat_template or ""
+    template = "".join(template.values()) if isinstance(template, dict) else template  # named templates
+    ids.update(i for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids) if t in template)
+    return ids
+
+
 class Engine:
     """`Engine(model, tokenizer)` serves a loaded model (its projections are fused in place);
     `Engine.from_pretrained(path)` loads one. Settings:
@@ -71,8 +86,7 @@ class Engine:
         max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule)
         self.runner = ModelRunner(model, self.cache, batch_invariant, compile, granule, plan.max_seqs)
-        eos = config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.eos_ids = stop_token_ids(model, tokenizer)
         dense_len = config.sparse_config["dense_len"]
         if self.max_model_len > dense_len:
             log.warning("sparse layers attend densely: contexts of %d tokens or more will differ from the official "
@@ -120,7 +134,7 @@ class Engine:
             limit = min(self.max_model_len, self.cache.max_tokens) - len(ids)
             raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} but the prompt ({len(ids)} tokens) "
                                              f"leaves room for at most {limit}")
-        req = Request(ids, params, IncrementalDetokenizer(self.tokenizer, ids, params.stop), on_output)
+        req = Request(ids, params, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens), on_output)
         if request_id:
             req.request_id = request_id
         if params.prompt_logprobs_start is not None:

@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus k alternatives
     prompt_logprobs_start: int | None = None  # logprobs (with `logprobs` alternatives) of prompt tokens from here on
+    skip_special_tokens: bool = True  # leave special tokens (chat-template markers, eos) out of the text, as vLLM does
 
     @property
     def greedy(self) -> bool:

@@ -39,50 +39,98 @@ class Row:
 
 
 # ----------------------------------------------------------------------------------- reading
-def read_records(path: str | Path) -> tuple[list[dict], int]:
-    """Records of a .jsonl/.json, .parquet or `datasets.save_to_disk` directory, plus the number
-    of malformed lines skipped (jsonl only). Nothing is fetched from a hub."""
-    path = Path(path)
-    if not path.exists():
-        raise DatasetError(f"{path}: no such dataset")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def dataset_kind(spec: str | Path) -> str:
+    """How to read a dataset: 'jsonl' or 'parquet' (a file, or a directory of parquet files), or
+    'datasets' (a `datasets.save_to_disk` directory, or the name of a dataset in the local
+    `datasets` cache)."""
+    path = Path(spec).expanduser()
     if path.is_dir():
-        files = sorted(path.rglob("*.arrow")) or sorted(path.rglob("*.parquet"))
-        if not files:
-            raise DatasetError(f"{path}: directory holds no .arrow or .parquet files")
-        return [r for f in files for r in _read_table(f)], 0
-    if path.suffix == ".parquet":
-        return _read_table(path), 0
-    if path.suffix in (".jsonl", ".json"):
-        records, bad = [], 0
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1
-                continue
-            if isinstance(rec, dict):
-                records.append(rec)
-            else:
-                bad += 1
-        return records, bad
-    raise DatasetError(f"{path}: unsupported format (use .jsonl, .parquet or a datasets directory)")
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            return "datasets"
+        if any(path.rglob("*.parquet")):
+            return "parquet"
+        raise DatasetError(f"{path}: directory holds neither a datasets.save_to_disk dataset nor .parquet files")
+    if path.exists():
+        if path.suffix in (".jsonl", ".json"):
+            return "jsonl"
+        if path.suffix == ".parquet":
+            return "parquet"
+        raise DatasetError(f"{path}: unsupported format (use .jsonl, .parquet, a datasets directory or a cached dataset name)")
+    if path.suffix in FILE_SUFFIXES or not _HUB_NAME.fullmatch(str(spec)):
+        raise DatasetError(f"{spec}: no such dataset")
+    return "datasets"
 
 
-def _read_table(f: Path) -> list[dict]:
-    import pyarrow as pa
+def load_hf_dataset(spec: str | Path, split: str | None = None):
+    """A `datasets.Dataset` from a save_to_disk directory (a Dataset or a DatasetDict, any number of
+    shards) or from a dataset name in the local `datasets` cache, read offline. A DatasetDict
+    needs `split` unless it holds a single split."""
+    import datasets
+    from datasets.packaged_modules.cache.cache import Cache
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+    else:
+        # The cache's own builder, as load_dataset falls back to when the Hub is unreachable;
+        # used directly, so that nothing is looked up on the Hub first.
+        name = str(spec)
+        try:
+            ds = Cache(repo_id=name, dataset_name=name.split("/")[-1], version="auto", hash="auto").as_dataset()
+        except (ValueError, FileNotFoundError) as e:
+            raise DatasetError(f"{spec}: no such file or directory, nor a dataset in the local datasets cache "
+                               f"{datasets.config.HF_DATASETS_CACHE} ({str(e).splitlines()[0]})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None and len(ds) == 1:
+            split = next(iter(ds))
+        if split not in ds:
+            given = f"has no split {split!r}" if split is not None else "holds several splits"
+            hint = f" or the split's directory {path / next(iter(ds))}" if path.is_dir() else ""
+            raise DatasetError(f"{spec} {given} (splits: {', '.join(ds)}); choose one with --split{hint}")
+        return ds[split]
+    if split is not None and split != str(ds.split):
+        raise DatasetError(f"{spec} is a single dataset (split {ds.split}), not a DatasetDict with a split {split!r}")
+    return ds
+
+
+def read_records(path: str | Path, split: str | None = None) -> tuple[list[dict], int]:
+    """Records of a .jsonl/.json file, parquet, or a `datasets` dataset (see dataset_kind), plus the
+    number of malformed lines skipped (jsonl only). Nothing is fetched from a hub."""
     import pyarrow.parquet as pq
 
-    if f.suffix == ".parquet":
-        table = pq.read_table(f)
-    else:  # datasets writes Arrow IPC streams
-        with pa.memory_map(str(f)) as src:
-            try:
-                table = pa.ipc.open_stream(src).read_all()
-            except pa.ArrowInvalid:
-                table = pa.ipc.open_file(src).read_all()
-    return table.to_pylist()
+    kind = dataset_kind(path)
+    path = Path(path).expanduser()
+    if kind == "datasets":
+        import datasets
+
+        ds = load_hf_dataset(path if path.exists() else str(path), split)
+        # Class labels are stored as integers; records carry their names (a task column's values, say).
+        labels = {k: f for k, f in ds.features.items() if isinstance(f, datasets.ClassLabel)}
+        records = ds.to_list()
+        for rec in records:
+            for k, f in labels.items():
+                rec[k] = f.int2str(rec[k]) if rec[k] is not None else None
+        return records, 0
+    if kind == "parquet":
+        return pq.read_table(path).to_pylist(), 0
+    records, bad = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            bad += 1
+    return records, bad
 
 
 def text_column(records: list[dict], source: str, column: str | None = None) -> str:
@@ -258,23 +306,25 @@ def pack_sequences(token_lists: list[list[int]], seq_len: int, eos_id: int) -> t
     return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def calibration_source(tokenizer, path: str | None = None, column: str | None = None) -> tuple[list[Row], MixReport]:
+def calibration_source(tokenizer, path: str | None = None, column: str | None = None,
+                       split: str | None = None) -> tuple[list[Row], MixReport]:
     """Rows of the dataset at `path` (default: the built-in set) and the analysis of their mix."""
     if not path:
         rows = default_source_rows()
         return rows, analyse(rows)
-    records, malformed = read_records(path)
+    records, malformed = read_records(path, split)
     column = text_column(records, path, column)
     rows = to_rows(records, column, lambda messages: tokenizer.apply_chat_template(messages, tokenize=False))
     return rows, analyse(rows, malformed)
 
 
 def calibration_sequences(tokenizer, num_samples: int, seq_len: int, path: str | None = None,
-                          column: str | None = None, target_mix: dict[str, float] | None = None) -> torch.Tensor:
+                          column: str | None = None, target_mix: dict[str, float] | None = None,
+                          split: str | None = None) -> torch.Tensor:
     """[N, seq_len] token ids: `num_samples` rows of the dataset at `path` (default: the
-    built-in set) sampled to `target_mix` (default: the source's own mix), low-semantic rows
-    down-weighted, tokenized and packed."""
-    rows, _ = calibration_source(tokenizer, path, column)
+    built-in set; `split` of a DatasetDict) sampled to `target_mix` (default: the source's own
+    mix), low-semantic rows down-weighted, tokenized and packed."""
+    rows, _ = calibration_source(tokenizer, path, column, split)
     return sample_and_pack(rows, tokenizer, num_samples, seq_len, target_mix)
 
 

@@ -41,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="4over6: FourOverSix (each 16-block scaled to 4 or 6); 6: plain NVFP4")
     ap.add_argument("--act-order", action="store_true", help="GPTQ columns by descending Hessian diagonal")
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of the mean Hessian diagonal")
-    ap.add_argument("--calibration", help="jsonl / parquet / datasets directory "
-                    "(default: tiny-sala's training corpus plus generated code, Q&A and list rows)")
+    ap.add_argument("--calibration", help="jsonl / parquet / a datasets.save_to_disk directory / a dataset name in the "
+                    "local datasets cache (default: tiny-sala's training corpus plus generated code, Q&A and list rows)")
+    ap.add_argument("--split", help="split of a DatasetDict given to --calibration (default: its only split)")
     ap.add_argument("--text-column", help="column holding the text (default: text, prompt, messages or content)")
     ap.add_argument("--num-samples", type=int, default=128, help="calibration rows")
     ap.add_argument("--seq-len", type=int, default=256, help="calibration and evaluation sequence length (tokens)")
@@ -97,7 +98,8 @@ def run(args) -> int:
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     tokenizer = load_tokenizer(model_dir)
-    seqs = cal.calibration_sequences(tokenizer, args.num_samples, args.seq_len, args.calibration, args.text_column)
+    seqs = cal.calibration_sequences(tokenizer, args.num_samples, args.seq_len, args.calibration, args.text_column,
+                                     split=args.split)
     print(f"model       {model_dir}\noutput      {output}")
     print(f"method      {args.method}, scale rule {args.scale_rule}{', act-order' if args.act_order else ''}")
     print(f"calibration {len(seqs)} sequences x {args.seq_len} tokens "
