@@ -139,6 +139,7 @@ class GenerateStage:
         torch.set_num_threads(num_threads)
         self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), batch_invariant=deterministic,
                                              **engine_kwargs)
+        self.engine.warmup()
         self.params = SamplingParams(**sampling, logprobs=top_logprobs)
         self.column, self.chat, self.jsonl, self.top_logprobs = column, chat, jsonl, top_logprobs
 

@@ -84,6 +84,10 @@ class EngineCollector:
         yield GaugeMetricFamily("sala_running_requests", "Requests holding cache", value=len(e.scheduler.running))
         yield CounterMetricFamily("sala_prompt_tokens", "Prompt tokens of accepted requests", value=e.num_prompt_tokens)
         yield CounterMetricFamily("sala_generation_tokens", "Tokens generated", value=e.num_generated_tokens)
+        yield CounterMetricFamily("sala_preemptions", "Requests preempted when the K/V pages ran out (recomputed later)",
+                                  value=e.num_preemptions)
+        yield GaugeMetricFamily("sala_kv_pages_free", "Free K/V cache pages", value=len(e.cache.free_pages))
+        yield GaugeMetricFamily("sala_kv_pages", "K/V cache pages in all", value=e.cache.plan.num_pages)
         finished = CounterMetricFamily("sala_finished_requests", "Finished requests by reason", labels=["reason"])
         for reason in ("stop", "length", "cancelled"):
             finished.add_metric([reason], e.num_finished[reason])
@@ -130,8 +134,9 @@ class SalaServer:
             torch.set_num_threads(num_threads)
         device = gpu_device(num_gpus)  # before the download: a replica without CUDA fails at once
         path = resolve_model_path(model)
-        self.engine = AsyncEngine(Engine.from_pretrained(path, device=device, batch_invariant=deterministic,
-                                                         **(engine_kwargs or {})))
+        engine = Engine.from_pretrained(path, device=device, batch_invariant=deterministic, **(engine_kwargs or {}))
+        engine.warmup()
+        self.engine = AsyncEngine(engine)
         self.tokenizer = self.engine.engine.tokenizer
         self.text_of = TokenText(self.tokenizer)
         # As vLLM's --served-model-name: requests may use any of the names, responses carry the one asked for.

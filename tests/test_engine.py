@@ -477,3 +477,30 @@ def test_cache_plan_for_the_9b_model(device_gib):
     assert plan.max_kv_tokens >= config.max_position_embeddings  # one full-length request fits
     assert plan.max_seqs * plan.state_bytes_per_seq + plan.num_pages * 64 * plan.kv_bytes_per_token <= budget
     assert plan.max_seqs == 256  # 256 states take 12 GiB; the rest is K/V
+
+
+def test_no_cpp_compiler_means_one_warning_and_eager(tiny_sala_dir, tmp_path):
+    """A laptop without a C++ compiler: inductor cannot build the decode step; the engine says
+    so in one line and decodes eagerly, with the same tokens."""
+    import subprocess
+    import sys
+
+    code = f"""
+import logging, torch, torch._inductor.config as ic
+ic.cpp.cxx = ("/nonexistent/c++",)
+torch.set_num_threads(1)
+from sala.engine import Engine, SamplingParams
+e = Engine.from_pretrained({str(tiny_sala_dir)!r})
+p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+a = e.generate(["The for statement"], p)[0].token_ids
+assert e.runner.fast_decode.failed
+b = Engine.from_pretrained({str(tiny_sala_dir)!r}, compile=False).generate(["The for statement"], p)[0].token_ids
+assert a == b, (a, b)
+print("same tokens")
+"""
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    warnings = [line for line in run.stderr.splitlines() if "compiling the decode step failed" in line]
+    assert len(warnings) == 1 and "same tokens" in run.stdout, run.stderr[-3000:]
+    print(warnings[0])

@@ -443,3 +443,22 @@ def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
     print(log[-1500:])
     assert proc.returncode == 0 and "Serve was shut down; exiting" in log
     assert "Traceback" not in log and "SIGTERM received" not in log
+
+
+def test_metrics_count_preemptions_and_free_pages(tiny_sala_dir, local_engine):
+    """The replica's engine collector on an engine whose pool is too small for its requests."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from sala.checkpoint import load_model
+    from sala.engine import Engine
+    from serve.app import EngineCollector
+
+    engine = Engine(load_model(tiny_sala_dir), local_engine.tokenizer, compile=False, page_size=16, max_seqs=8,
+                    max_model_len=128, memory_bytes=8 * 16 * 1536 + 8 * 81920)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    prompts = [local_engine.encode(f"The {w} statement") * 4 for w in ("for", "while", "if", "try", "with", "del")]
+    engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples["sala_preemptions_total"] == engine.num_preemptions > 0
+    assert samples["sala_kv_pages_free"] == samples["sala_kv_pages"] == 8

@@ -114,6 +114,12 @@ class Engine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    def warmup(self) -> None:
+        """Compile (CPU) or capture (CUDA) the decode step now, not on the first request; servers
+        and batch jobs call this at start-up. A no-op for the eager and evaluation modes."""
+        if self.runner.fast_decode is not None:
+            self.generate([[self.config.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt)["input_ids"]
