@@ -442,10 +442,14 @@ class SALAModel(SALAPreTrainedModel):
         elif position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = positions_from(attention_mask, b, t, past, h.device)
-        rope = rope_tables(position_ids, self.rope_consts.get("inv_freq", h.device)) if self.uses_rope else None
+        rope = self.rope(position_ids)
         for layer in self.layers:
             h = layer(h, rope, cache, attention_mask, t, context)
         return self.norm(h)
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos/sin tables every layer of one forward reads (None when no layer rotates)."""
+        return rope_tables(position_ids, self.rope_consts.get("inv_freq", position_ids.device)) if self.uses_rope else None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v/gate and gate/up into one GEMM each, in place. Parameter names change, so

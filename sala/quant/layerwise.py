@@ -137,12 +137,12 @@ def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[i
     results = dict(finished or {})
     seqs = seqs.to(model.model.embed_tokens.weight.device)
     h = model.model.embed_tokens(seqs) * model.config.scale_emb
-    positions = torch.arange(seqs.shape[1], device=seqs.device).expand(seqs.shape[0], -1)
+    rope = model.model.rope(torch.arange(seqs.shape[1], device=seqs.device).expand(seqs.shape[0], -1))
     for i, layer in enumerate(model.model.layers):
         if i not in results:
             accs, handles = collect_hessians({i: layer})
             with torch.no_grad():
-                layer(h, positions, None, None, seqs.shape[1])
+                layer(h, rope, None, None, seqs.shape[1])
             for hd in handles:
                 hd.remove()
             hessians = {site: acc.hessian(f"model.layers.{i} {site}").cpu() for (_, site), acc in accs.items()}
@@ -151,7 +151,7 @@ def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[i
                 on_layer(i, results[i])
         apply_quantized(layer, {m: q for m, (q, _) in results[i].items()})
         with torch.no_grad():
-            h = layer(h, positions, None, None, seqs.shape[1])
+            h = layer(h, rope, None, None, seqs.shape[1])
     return results
 
 
