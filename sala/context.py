@@ -46,6 +46,4 @@ class StepContext:
     prefills: list[Span] = field(default_factory=list)
     prefill_state_slots: torch.Tensor | None = None  # [len(prefills)]
     prefill_lengths: torch.Tensor | None = None  # [len(prefills)]
-    # Batch-invariant mode: decode rows attend one request at a time, on exactly their own keys.
-    decode_spans: list[Span] = field(default_factory=list)
-    batch_invariant: bool = False
+    batch_invariant: bool = False  # lightning layers run prompt chunks one at a time

@@ -71,7 +71,10 @@ def _intra_chunk_decay(g: torch.Tensor, c: int) -> torch.Tensor:
     return torch.exp(expo)
 
 
-def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_size: int = 64,
+CHUNK_SIZE = 64
+
+
+def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
             lengths: torch.Tensor | None = None):
     """Chunk-parallel form: within a chunk of C tokens starting from state S, with b_i = (i+1) g,
 

@@ -217,11 +217,11 @@ class SparseAttention(QKVOProjections):
         v_rows.index_copy_(0, ctx.slot_mapping, v[0].transpose(0, 1).to(v_rows.dtype))
         gqa = self.n_heads != self.n_kv
         outs = []
-        if ctx.num_decode and not ctx.decode_spans:
+        if ctx.num_decode:
             q_dec = q[0, :, : ctx.num_decode].transpose(0, 1)
             o = paged_decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, self.head_dim**-0.5)
             outs.append(o.transpose(0, 1))  # [Hq, n_decode, D]
-        for span in ctx.decode_spans + ctx.prefills:
+        for span in ctx.prefills:
             end = span.start + span.length
             if span.past == 0:  # a fresh prompt: its own K/V, causal flash path
                 ks, vs = k[:, :, span.start : end], v[:, :, span.start : end]
@@ -229,9 +229,9 @@ class SparseAttention(QKVOProjections):
             else:
                 ks = k_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
                 vs = v_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
-                mask = causal_mask(span.length, span.past + span.length, span.past, None, q.device) if span.length > 1 else None
+                mask = causal_mask(span.length, span.past + span.length, span.past, None, q.device)
             o = F.scaled_dot_product_attention(q[:, :, span.start : end], ks, vs, attn_mask=mask,
-                                               is_causal=mask is None and span.length > 1, enable_gqa=gqa)
+                                               is_causal=mask is None, enable_gqa=gqa)
             outs.append(o[0])
         return _rows_with_padding(outs, q)
 

@@ -23,6 +23,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from sala import lightning
 from sala.engine.cache import CacheFull, CachePool, kv_bytes_per_token, plan_memory, state_bytes_per_seq
 from sala.engine.detokenizer import IncrementalDetokenizer
 from sala.engine.params import InvalidParam, SamplingParams
@@ -82,10 +83,10 @@ class Engine:
         plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, kv_dtypes)
         log.info("%s", plan.describe())
         self.cache = CachePool(config, plan, param.dtype, kv_dtypes, self.device)
-        granule = page_size if batch_invariant else 1
+        granule = lightning.CHUNK_SIZE if batch_invariant else 1
         max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule)
-        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, granule, plan.max_seqs)
+        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs)
         self.eos_ids = stop_token_ids(model, tokenizer)
         dense_len = config.sparse_config["dense_len"]
         if self.max_model_len > dense_len:

@@ -10,13 +10,16 @@ bucketed batch sizes over persistent input buffers (padding rows write the scrat
 state slot). Steps that carry prompt chunks run eagerly through the same forward.
 
 Batch invariance (engine.md, Determinism) is a mode, `batch_invariant=True`: a request's logits
-must not depend on what else shares its step. Two reductions would make them depend on it on
-CPU: MKL computes a matmul's rows in blocks of 4 and, in small matmuls, the rows left over
-after the last full block through a kernel whose sums round differently; and attention over
-keys padded to the batch's longest context sums in a different order than over the request's
-own keys. So the mode pads every step to a multiple of 8 rows, attends one request at a time
-on exactly its own keys, runs each prompt granule (the scheduler cuts prompts only at
-multiples of it) as a request alone would, and never compiles.
+must not depend on what else shares its step, nor on where its prompt was cut into chunks.
+Three things would make them depend on it on CPU: MKL computes a matmul's rows in blocks of 4
+and, in small matmuls, the rows left over after the last full block through a kernel whose
+sums round differently, so the mode pads every step to a multiple of 8 rows; the chunked
+lightning form sums in blocks counted from the start of each call, so the scheduler cuts
+prompts only at multiples of that block (lightning.CHUNK_SIZE) and the mode runs each
+request's prompt chunk as its own call, never as one padded batch (whose final states come
+from a different formula); and compiled kernels are generated per shape, so the mode never
+compiles. Attention over pages padded to the batch's widest needs nothing: masked keys add
+exact zeros (tests/test_engine.py checks all of it bitwise).
 """
 from __future__ import annotations
 
@@ -44,9 +47,8 @@ class StepRows:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CachePool, batch_invariant: bool = False, compile: bool = True, granule: int = 64,
-                 max_decode_batch: int = 32):
-        self.model, self.cache, self.batch_invariant, self.granule = model, cache, batch_invariant, granule
+    def __init__(self, model, cache: CachePool, batch_invariant: bool = False, compile: bool = True, max_decode_batch: int = 32):
+        self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
         self.device = cache.device
         self.compile_seconds: float | None = None
         self.fast_decode = None
@@ -66,16 +68,13 @@ class ModelRunner:
             ctx.block_tables = torch.tensor([r.pages + [cache.scratch_page] * (width - len(r.pages)) for r in dec], device=dev)
             ctx.context_lens = torch.tensor([p + 1 for p in pos], device=dev)
             ctx.state_slots = torch.tensor([r.state_slot for r in dec], device=dev)
-            if self.batch_invariant:
-                ctx.decode_spans = [Span(i, 1, p, r.state_slot, cache.rows(r, 0, p + 1)) for i, (r, p) in enumerate(zip(dec, pos))]
         sample_rows, rows = list(range(len(dec))), StepRows(list(dec), [])
         prompt_rows, row, slot_parts = [], len(dec), [torch.tensor(slots, dtype=torch.long, device=dev)]
         for r, start, end in sched.prefills:
             ids += r.token_slice(start, end)
             pos += range(start, end)
             slot_parts.append(cache.rows(r, start, end))
-            for a, b in self._pieces(start, end):
-                ctx.prefills.append(Span(row + a - start, b - a, a, r.state_slot, cache.rows(r, 0, b) if a else None))
+            ctx.prefills.append(Span(row, end - start, start, r.state_slot, cache.rows(r, 0, end) if start else None))
             self._prompt_logprob_rows(r, start, end, row, prompt_rows, rows.prompt_targets)
             row += end - start
             if end == r.num_tokens:
@@ -91,13 +90,6 @@ class ModelRunner:
         ctx.positions = torch.tensor(pos, device=dev)
         ctx.slot_mapping = torch.cat(slot_parts)
         return torch.tensor(ids, device=dev), ctx, sample_rows + prompt_rows, rows
-
-    def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
-        """A prompt chunk as the model runs it: whole, or in the invariant mode cut at every granule."""
-        if not self.batch_invariant:
-            return [(start, end)]
-        cuts = list(range(start - start % self.granule + self.granule, end, self.granule))
-        return list(zip([start] + cuts, cuts + [end]))
 
     @staticmethod
     def _prompt_logprob_rows(r: Request, start: int, end: int, row: int, prompt_rows: list, targets: list) -> None:

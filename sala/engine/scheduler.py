@@ -105,8 +105,8 @@ class Scheduler:
                 self.cache.admit(r)
                 self.cache.grow(r, end)
                 self.running.append(r)
-                batch.prefills.append((r, 0, end))
-                budget -= end
+                batch.prefills.append((r, r.num_computed, end))
+                budget -= end - r.num_computed
             self.waiting.extendleft(reversed(passed_over))
         if not batch.num_tokens and self.running:
             # Every running request is part-way through a prompt and the pages are gone: free some.
