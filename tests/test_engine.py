@@ -437,7 +437,7 @@ def test_cache_pool_layer_dtypes_and_pages(model):
     first, second = config.sparse_layers[:2]
     dtypes = {i: torch.float32 for i in config.sparse_layers} | {first: torch.bfloat16}
     plan = plan_memory(config, 8 << 20, max_seqs=4, max_model_len=256, page_size=16, kv_dtypes=dtypes)
-    pool = CachePool(config, plan, torch.float32, dtypes, torch.device("cpu"))
+    pool = CachePool(config, plan, dtypes, torch.device("cpu"))
     assert pool.k[first].dtype == torch.bfloat16 and pool.k[second].dtype == torch.float32
     assert pool.k[first].shape == (plan.num_pages + 1, 16, config.num_key_value_heads, config.head_dim)
     assert pool.states[config.lightning_layers[0]].shape[0] == plan.max_seqs + 1  # + the scratch slot

@@ -59,11 +59,16 @@ class MemoryPlan:
                 f"states for {self.max_seqs} sequences ({self.state_bytes_per_seq / 2**20:.2f} MiB each)")
 
 
+def full_request_kv_bytes(config, max_model_len: int, page_size: int, kv_dtypes: dict[int, torch.dtype]) -> int:
+    """K/V pages of one request of max_model_len tokens: the least a cache must hold."""
+    return -(-max_model_len // page_size) * page_size * kv_bytes_per_token(config, kv_dtypes)
+
+
 def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, page_size: int,
                 kv_dtypes: dict[int, torch.dtype]) -> MemoryPlan:
     kv_token, state = kv_bytes_per_token(config, kv_dtypes), state_bytes_per_seq(config)
     page = page_size * kv_token
-    one_full = -(-max_model_len // page_size) * page  # K/V of one request of max_model_len tokens
+    one_full = full_request_kv_bytes(config, max_model_len, page_size, kv_dtypes)
     if budget_bytes < one_full + state:
         raise CacheFull(f"a cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one request of max_model_len="
                         f"{max_model_len} tokens ({(one_full + state) / 2**20:.1f} MiB of K/V and state): raise the "
@@ -74,10 +79,8 @@ def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, pa
 
 
 class CachePool:
-    def __init__(self, config, plan: MemoryPlan, compute_dtype: torch.dtype, kv_dtypes: dict[int, torch.dtype],
-                 device: torch.device):
+    def __init__(self, config, plan: MemoryPlan, kv_dtypes: dict[int, torch.dtype], device: torch.device):
         self.plan, self.page_size, self.device = plan, plan.page_size, device
-        self.compute_dtype = compute_dtype
         n_kv, d = config.num_key_value_heads, config.head_dim
         shape = (plan.num_pages + 1, plan.page_size, n_kv, d)
         self.k = {i: torch.zeros(shape, dtype=kv_dtypes[i], device=device) for i in config.sparse_layers}

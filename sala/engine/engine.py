@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from sala import lightning
-from sala.engine.cache import CacheFull, CachePool, kv_bytes_per_token, plan_memory, state_bytes_per_seq
+from sala.engine.cache import CacheFull, CachePool, full_request_kv_bytes, kv_bytes_per_token, plan_memory, state_bytes_per_seq
 from sala.engine.detokenizer import IncrementalDetokenizer
 from sala.engine.params import InvalidParam, SamplingParams
 from sala.engine.request import Completion, Request, RequestOutput, TokenLogprob
@@ -73,16 +73,18 @@ class Engine:
         param = next(model.parameters())
         self.device = param.device
         model.model.fuse_projections()
-        _dequantize_once_on_cpu(model)
+        if self.device.type == "cpu":
+            _dequantize_once(model)
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         cuda = self.device.type == "cuda"
         max_seqs = max_seqs or (256 if cuda else 32)
         kv_dtypes = {i: (kv_dtypes or {}).get(i, param.dtype) for i in config.sparse_layers}
         if memory_bytes is None:
-            memory_bytes = _default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len, kv_dtypes)
+            memory_bytes = _default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len, page_size,
+                                           kv_dtypes)
         plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, kv_dtypes)
         log.info("%s", plan.describe())
-        self.cache = CachePool(config, plan, param.dtype, kv_dtypes, self.device)
+        self.cache = CachePool(config, plan, kv_dtypes, self.device)
         granule = lightning.CHUNK_SIZE if batch_invariant else 1
         max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule)
@@ -308,14 +310,14 @@ class RequestStream:
             self.owner.wakeup.set()
 
 
-def _default_budget(config, device: torch.device, utilization: float, max_seqs: int, max_model_len: int,
+def _default_budget(config, device: torch.device, utilization: float, max_seqs: int, max_model_len: int, page_size: int,
                     kv_dtypes: dict[int, torch.dtype]) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return cuda_cache_budget(config, total, free, utilization, max_seqs)
-    kv = kv_bytes_per_token(config, kv_dtypes)
-    want = max_seqs * (min(max_model_len, 4096) * kv + state_bytes_per_seq(config))
-    want = max(want, -(-max_model_len // 64) * 64 * kv + max_seqs * state_bytes_per_seq(config))
+    states = max_seqs * state_bytes_per_seq(config)
+    want = max(max_seqs * min(max_model_len, 4096) * kv_bytes_per_token(config, kv_dtypes),
+               full_request_kv_bytes(config, max_model_len, page_size, kv_dtypes)) + states
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -334,10 +336,8 @@ def cuda_cache_budget(config, total: int, free: int, utilization: float, max_seq
     return budget
 
 
-def _dequantize_once_on_cpu(model) -> None:
-    """On CPU, packed NVFP4 Linears keep an fp32 copy of their weight, made now rather than on every call."""
-    if next(model.parameters()).device.type != "cpu":
-        return
+def _dequantize_once(model) -> None:
+    """Packed NVFP4 Linears on CPU keep an fp32 copy of their weight, made now rather than on every call."""
     for m in model.modules():
         if hasattr(m, "cache_dequantized"):
             m.cache_dequantized = True

@@ -64,7 +64,6 @@ class Request:
     page_table: torch.Tensor | None = None  # `pages` on the cache's device
     state_slot: int = -1
     prompt_logprobs_next: int | None = None  # next prompt position whose logits score the following token
-    num_preemptions: int = 0
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start

@@ -38,6 +38,17 @@ log = logging.getLogger(__name__)
 INVARIANT_ROWS = 8
 
 
+def decode_inputs(ctx: StepContext, ids: torch.Tensor) -> list[torch.Tensor]:
+    """A decode step's tensor inputs, in the order the fast paths take them."""
+    return [ids, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens, ctx.state_slots]
+
+
+def padding_values(cache: CachePool) -> list[int]:
+    """What a padding decode row holds, input by input: it reads and writes only the scratch
+    page and state slot, so rows added to round a batch up change nothing."""
+    return [0, 0, cache.scratch_row, cache.scratch_page, 1, cache.scratch_slot]
+
+
 @dataclass
 class StepRows:
     """Which rows of a step's logits mean what."""
@@ -127,7 +138,7 @@ class ModelRunner:
 
 class CompiledDecode:
     """The decode-only step through torch.compile (inductor). Batch size and page-table width
-    are dynamic, so a handful of graphs cover every step. If compiling fails (no C++ compiler,
+    are dynamic, so one graph covers every step. If compiling fails (no C++ compiler,
     an unsupported op) the engine says so once and stays eager."""
 
     # A batch of one is run as two (the extra row writes only scratch) and page tables are at
@@ -150,14 +161,13 @@ class CompiledDecode:
 
     def _inputs(self, ids: torch.Tensor, ctx: StepContext) -> list[torch.Tensor]:
         c = self.runner.cache
-        tables = ctx.block_tables
+        inputs = decode_inputs(ctx, ids)
+        tables = inputs[3]
         if tables.shape[1] < self.MIN_WIDTH:
-            tables = torch.cat([tables, tables.new_full((tables.shape[0], self.MIN_WIDTH - tables.shape[1]), c.scratch_page)], 1)
-        inputs = [ids, ctx.positions, ctx.slot_mapping, tables, ctx.context_lens, ctx.state_slots]
+            inputs[3] = torch.cat([tables, tables.new_full((tables.shape[0], self.MIN_WIDTH - tables.shape[1]), c.scratch_page)], 1)
         extra = self.MIN_ROWS - ids.shape[0]
         if extra > 0:
-            fill = [0, 0, c.scratch_row, c.scratch_page, 1, c.scratch_slot]
-            inputs = [torch.cat([t, t.new_full((extra, *t.shape[1:]), v)]) for t, v in zip(inputs, fill)]
+            inputs = [torch.cat([t, t.new_full((extra, *t.shape[1:]), v)]) for t, v in zip(inputs, padding_values(c))]
         for t in inputs:  # else a width equal to some static size (kv heads: 2) is specialised on
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(inputs[3], 1)
@@ -197,28 +207,26 @@ class CudaGraphDecode:
         cache = runner.cache
         self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) if s < max_batch] + [max_batch]
         width = cache.pages_for(cache.plan.max_model_len)
-        dev = cache.device
-        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((max_batch,), cache.scratch_row, dtype=torch.long, device=dev)
-        self.block_tables = torch.full((max_batch, width), cache.scratch_page, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(max_batch, dtype=torch.long, device=dev)
-        self.state_slots = torch.full((max_batch,), cache.scratch_slot, dtype=torch.long, device=dev)
+        shapes = [(max_batch,)] * 3 + [(max_batch, width)] + [(max_batch,)] * 2
+        # Persistent inputs, in decode_inputs' order, every row a padding row until a step fills it.
+        self.buffers = [torch.full(shape, v, dtype=torch.long, device=cache.device)
+                        for shape, v in zip(shapes, padding_values(cache))]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     def _context(self, n: int) -> StepContext:
-        return StepContext(self.runner.cache, self.positions[:n], self.slot_mapping[:n], num_decode=n,
-                           block_tables=self.block_tables[:n], context_lens=self.context_lens[:n],
-                           state_slots=self.state_slots[:n])
+        _, positions, slot_mapping, block_tables, context_lens, state_slots = (b[:n] for b in self.buffers)
+        return StepContext(self.runner.cache, positions, slot_mapping, num_decode=n, block_tables=block_tables,
+                           context_lens=context_lens, state_slots=state_slots)
 
     def capture(self) -> None:
         t0 = time.perf_counter()
         for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            self.runner.forward(self.ids[:n], self._context(n))  # warm-up: Triton compiles, constants reach the GPU
+            ids = self.buffers[0][:n]
+            self.runner.forward(ids, self._context(n))  # warm-up: Triton compiles, constants reach the GPU
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
-                out = self.runner.forward(self.ids[:n], self._context(n))
+                out = self.runner.forward(ids, self._context(n))
             self.pool = graph.pool()
             self.graphs[n] = (graph, out)
         torch.cuda.synchronize()
@@ -230,17 +238,9 @@ class CudaGraphDecode:
             self.capture()
         n = ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
-        cache = self.runner.cache
-        self.ids[:n] = ids
-        self.positions[:n] = ctx.positions
-        self.slot_mapping[:n] = ctx.slot_mapping
-        self.slot_mapping[n:size] = cache.scratch_row
-        self.block_tables[:n].fill_(cache.scratch_page)
-        self.block_tables[:n, : ctx.block_tables.shape[1]] = ctx.block_tables
-        self.context_lens[:n] = ctx.context_lens
-        self.context_lens[n:size] = 1
-        self.state_slots[:n] = ctx.state_slots
-        self.state_slots[n:size] = cache.scratch_slot
+        for buf, t, pad in zip(self.buffers, decode_inputs(ctx, ids), padding_values(self.runner.cache)):
+            buf[:size].fill_(pad)
+            buf[tuple(slice(0, d) for d in t.shape)] = t  # page tables: as wide as this step's
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]

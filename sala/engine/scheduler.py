@@ -136,7 +136,6 @@ class Scheduler:
         self.running.remove(r)
         self.cache.free(r)
         r.num_computed = 0
-        r.num_preemptions += 1
         self.num_preemptions += 1
         with self.lock:
             self.waiting.appendleft(r)
