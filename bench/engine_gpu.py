@@ -12,7 +12,6 @@ engine's CUDA graphs. Reference in the same run: the same BF16 model's eager dec
 """
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,14 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def require_gpu() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("bench/engine_gpu.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
-                 f"(torch {torch.__version__}); bench/engine_decode.py measures the engine on CPU")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("unset TRITON_INTERPRET: the interpreter would time Python, not the GPU kernels")
+from nvfp4_gemm_gpu import require_gpu  # noqa: E402  (bench/ is this script's sys.path[0])
 
 
 def word_tokenizer(vocab_size: int):
@@ -85,7 +77,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     args = ap.parse_args()
-    require_gpu()
+    require_gpu(__file__, "bench/engine_decode.py measures the engine on CPU")
     from sala.config import SALAConfig
     from sala.engine import Engine
     from tests.test_config import REAL_CONFIG

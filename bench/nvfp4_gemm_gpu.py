@@ -39,10 +39,11 @@ ROWS = [1, 16, 128]
 GOAL = 0.70
 
 
-def require_gpu() -> None:
+def require_gpu(script: str = __file__, on_cpu: str = "the kernel's CPU checks are in tests/test_nvfp4_gemm.py") -> None:
+    """Exit with one line unless a CUDA GPU and real (not interpreted) Triton are here; every GPU bench calls it."""
     if not torch.cuda.is_available():
-        sys.exit("bench/nvfp4_gemm_gpu.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
-                 f"(torch {torch.__version__}); the kernel's CPU checks are in tests/test_nvfp4_gemm.py")
+        sys.exit(f"bench/{os.path.basename(script)} needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
+                 f"(torch {torch.__version__}); {on_cpu}")
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter would time Python, not the GPU kernel")
     try:

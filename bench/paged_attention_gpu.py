@@ -17,26 +17,14 @@ against the reference.
 import argparse
 import json
 import math
-import os
 import sys
 
 import torch
+from nvfp4_gemm_gpu import graph_time_us, peak_bandwidth_gbps, require_gpu  # bench/ is this script's sys.path[0]
 
 BATCHES = [1, 8, 32]
 CONTEXTS = [1024, 4096, 16384]
 HQ, HKV, D, PAGE = 32, 2, 128, 64
-
-
-def require_gpu() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("bench/paged_attention_gpu.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
-                 f"(torch {torch.__version__}); the kernel's CPU checks are in tests/test_paged_attention.py")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("unset TRITON_INTERPRET: the interpreter would time Python, not the GPU kernel")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        sys.exit("triton is not installed (pip install -e '.[gpu]')")
 
 
 def main():
@@ -44,9 +32,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30, help="graph replays per measurement (median taken)")
     ap.add_argument("--peak-gbps", type=float, help="HBM peak in GB/s (default: from the device properties)")
     args = ap.parse_args()
-    require_gpu()
-
-    from nvfp4_gemm_gpu import graph_time_us, peak_bandwidth_gbps  # bench/ is this script's sys.path[0]
+    require_gpu(__file__, "the kernel's CPU checks are in tests/test_paged_attention.py")
 
     from kernels.paged_attention import SPLIT_LEN, paged_decode_attention_reference, paged_decode_attention_triton
 

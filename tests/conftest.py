@@ -73,3 +73,17 @@ def cache_hf_dataset(cache_dir, name: str, splits: dict[str, list[dict]]) -> Non
             Path(files[split]).write_text("".join(json.dumps(r) + "\n" for r in rows))
         Json(cache_dir=str(cache_dir), dataset_name=name, config_id="default", hash="0" * 40,
              data_files=files).download_and_prepare()
+
+
+def assert_gpu_bench_refuses_cpu(script: str) -> None:
+    """A GPU benchmark run on a machine without CUDA exits 1 with one line saying so, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the bench would run for real")
+    bench = Path(__file__).resolve().parents[1] / "bench" / script
+    run = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

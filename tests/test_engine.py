@@ -19,6 +19,7 @@ from sala.engine.cache import CachePool, plan_memory
 from sala.engine.engine import cuda_cache_budget
 from sala.engine.sampling import filtered_probs
 from sala.tiny import heldout_texts
+from tests.conftest import assert_gpu_bench_refuses_cpu
 
 N_NEW = 12
 # Measured: fast-mode engine logprobs differ from the full forward's by at most ~4e-6 in fp32
@@ -504,3 +505,7 @@ print("same tokens")
     warnings = [line for line in run.stderr.splitlines() if "compiling the decode step failed" in line]
     assert len(warnings) == 1 and "same tokens" in run.stdout, run.stderr[-3000:]
     print(warnings[0])
+
+
+def test_gpu_bench_exits_with_one_line_without_a_gpu():
+    assert_gpu_bench_refuses_cpu("engine_gpu.py")

@@ -21,6 +21,7 @@ from kernels.nvfp4_gemm import (
 )
 from sala.quant.linear import NVFP4Linear
 from sala.quant.nvfp4 import quantize_rtn
+from tests.conftest import assert_gpu_bench_refuses_cpu
 
 HAND_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -162,12 +163,7 @@ def test_bench_fused_weight_is_what_the_kernel_and_reference_take():
 
 
 def test_bench_exits_with_one_line_without_a_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the bench would run for real")
-    bench = Path(__file__).resolve().parents[1] / "bench" / "nvfp4_gemm_gpu.py"
-    run = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    assert_gpu_bench_refuses_cpu("nvfp4_gemm_gpu.py")
 
 
 # ---- per-row global scales (fused projections) ----------------------------------------------

@@ -3,7 +3,6 @@ a naive float64 loop over exactly each sequence's keys."""
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from kernels.paged_attention import (
     paged_decode_attention_reference,
     paged_decode_attention_triton,
 )
+from tests.conftest import assert_gpu_bench_refuses_cpu
 
 PAGE = 16
 LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 2, 4 * PAGE + 6]  # 1 token .. 5 pages
@@ -156,12 +156,7 @@ def test_reference_and_dispatch_work_without_triton():
 
 
 def test_bench_exits_with_one_line_without_a_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the bench would run for real")
-    bench = Path(__file__).resolve().parents[1] / "bench" / "paged_attention_gpu.py"
-    run = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    assert_gpu_bench_refuses_cpu("paged_attention_gpu.py")
 
 
 @pytest.mark.gpu
