@@ -99,6 +99,7 @@ class PrefixCache:
         self.num_queried_tokens = 0  # prompt tokens of admitted requests
         self.num_hit_tokens = 0  # of which were taken from the cache
         self.num_requests = self.num_hits = 0
+        self.num_evicted_pages = self.num_evicted_snapshots = 0
         cache.prefix = self
 
     # ------------------------------------------------------------------ lookup and admission
@@ -241,6 +242,7 @@ class PrefixCache:
                 return
             slot, victim = self.snapshot_lru.popitem(last=False)
             victim.snapshot = None
+            self.num_evicted_snapshots += 1
             if len(victim.tokens) < self.page_size:  # a tail exists only for its snapshot
                 self._remove(victim)
             self.free_snapshots.append(slot)
@@ -292,7 +294,9 @@ class PrefixCache:
                 last_used, _, n = heapq.heappop(self.evictable)  # never empty: see num_evictable
                 if n.parent is not None and n.refs == 0 and n.is_leaf and n.last_used == last_used:
                     break
+            self.num_evicted_pages += 1
             if n.snapshot is not None:
+                self.num_evicted_snapshots += 1
                 del self.snapshot_lru[n.snapshot]
                 self.free_snapshots.append(n.snapshot)
                 n.snapshot = None
