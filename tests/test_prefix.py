@@ -68,6 +68,24 @@ def assert_same(got, want, bitwise=False):
             assert max(abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, w.logprobs)) < LOGPROB_TOL
 
 
+def generate_checking_pages(eng, prompts, params):
+    """Engine.generate, checking after every step that no page a running request holds is free,
+    and that two requests share a page only through a trie node both hold."""
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while eng.has_work():
+        eng.step()
+        free, owners = set(eng.cache.free_pages), {}
+        for r in eng.scheduler.running:
+            assert not free & set(r.pages)
+            assert [n.page for n in r.prefix_chain] == r.pages[: len(r.prefix_chain)]
+            for i, page in enumerate(r.pages):
+                owners.setdefault(page, []).append(i < len(r.prefix_chain))
+        assert all(len(o) == 1 or all(o) for o in owners.values())
+        assert all(n.refs == sum(n in r.prefix_chain for r in eng.scheduler.running)
+                   for r in eng.scheduler.running for n in r.prefix_chain)
+    return [r.completion() for r in reqs]
+
+
 def assert_nothing_held(eng):
     """Every trie node is held by no request, and free + cached pages are the whole pool."""
     p, nodes, stack = eng.prefix, [], [eng.prefix.root]
@@ -141,7 +159,7 @@ def test_eviction_under_pressure_never_changes_an_output(setup):
     eng = engine(setup, max_seqs=2, max_model_len=256, memory_bytes=40 * PAGE * 1536 + 2 * 81920,
                  prefix_snapshot_bytes=2 * 81920)
     assert eng.cache.plan.num_pages == 40 and eng.prefix.max_snapshots == 2
-    got = run_one_by_one(eng, prompts)
+    got = [generate_checking_pages(eng, [p], PARAMS)[0] for p in prompts]
     print(f"evicted {eng.prefix.num_evicted_pages} pages, {eng.prefix.num_evicted_snapshots} snapshots; "
           f"cached tokens {[c.num_cached_tokens for c in got]}")
     assert eng.prefix.num_evicted_pages > 0 and eng.prefix.num_evicted_snapshots > 0
@@ -161,7 +179,7 @@ def test_preemption_with_shared_pages(setup):
     eng = engine(setup, max_seqs=8, max_model_len=256, memory_bytes=30 * PAGE * 1536 + 8 * 81920,
                  prefix_snapshot_bytes=32 * 81920)
     eng.generate(prompts[:1], params)  # the document is cached: the others share its pages
-    got = eng.generate(prompts, params)
+    got = generate_checking_pages(eng, prompts, params)
     print(f"preemptions {eng.num_preemptions}, cached tokens {[c.num_cached_tokens for c in got]}")
     assert eng.num_preemptions > 0
     assert all(c.num_cached_tokens >= INTERVAL for c in got)
