@@ -32,11 +32,11 @@ import torch  # noqa: E402
 
 from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
-from pipelines.registry import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
-from pipelines.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
+from registry.models import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
+from registry.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, load_model, read_config  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
-from sala.tiny import sala_home  # noqa: E402
+from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 
 FAULT_ENV = "SALA_FAULT_ONCE"  # test hook: "layer=<i>,marker=<path>" kills that layer's task once
 INTERRUPT_ENV = "SALA_INTERRUPT_AFTER_LAYER"  # test hook: Ctrl-C the driver once layer <i> is saved
@@ -403,7 +403,7 @@ def run(args) -> int:
     check_reachable(tracking_uri())
     if os.environ.get("RAY_ADDRESS"):
         check_address(os.environ["RAY_ADDRESS"])
-    model_dir = resolve_model_path(args.model)
+    model_dir = resolve_model_path(args.model or str(ensure_tiny_sala()))
     config = read_config(model_dir)
     name = model_name(args.model, model_dir)
     output = Path(args.output).absolute() if args.output else default_output(name, args)

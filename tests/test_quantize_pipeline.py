@@ -80,7 +80,7 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
     version = client.get_model_version_by_alias("tiny-q", "champion")
     assert version.tags["method"] == "gptq"
 
-    from pipelines.registry import resolve_model_path
+    from registry.models import resolve_model_path
 
     os.environ["SALA_HOME"], saved = env["SALA_HOME"], os.environ.get("SALA_HOME")
     try:
