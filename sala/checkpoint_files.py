@@ -1,9 +1,18 @@
-"""The files of a checkpoint directory (Hugging Face layout): safetensors only, atomic writes, a manifest.
+"""The files of a checkpoint directory (Hugging Face layout): safetensors only, durable atomic writes, a manifest.
 
-A checkpoint is written into a temporary sibling directory and renamed into place once every
-file is complete, so a crash never leaves a half-written checkpoint under the final name.
-`manifest.json` lists the sha256 of every file; loading verifies it, so a flipped byte or a
-truncated shard is reported with the file's name instead of surfacing as garbage logits.
+A checkpoint is written into a temporary sibling directory; every file and directory in it is
+fsynced, then it takes the target's place in one step: renamed there, or, when replacing an
+existing checkpoint, swapped with it (renameat2 RENAME_EXCHANGE on Linux, renamex_np
+RENAME_SWAP on macOS), so a reader finds the old checkpoint or the new one, never neither, and
+a crash at any point leaves a complete checkpoint under the final name. The parent directory is
+fsynced after the rename. A writer killed mid-way leaves only a temporary `.NAME.tmp-PID-*`
+beside the target, removed by the next write once that process is gone.
+
+`manifest.json` lists the sha256 of every file. Verification (on by default when loading) reports
+a flipped byte or a truncated shard with the file's name, and refuses a weight, config or
+tokenizer file the manifest does not list: loading would read it, and nothing vouches for it. A
+directory without a manifest (a checkpoint from the Hub) loads, with one warning that nothing
+was verified.
 
 This module knows files, not formats: `sala.checkpoint` builds models from them (dense or, through
 `sala.quant.export`, NVFP4), and both read and write through here.
@@ -11,11 +20,16 @@ This module knows files, not formats: `sala.checkpoint` builds models from them 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as _dt
+import errno
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,6 +42,13 @@ from sala.config import ConfigError, SALAConfig
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# Files that loading the model or its tokenizer reads: with a manifest, each must be listed in it.
+# Others (a README, tiny-sala's held-out text) are not read, so they are not checked.
+LOADED_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".tiktoken")
+LOADED_NAMES = ("vocab.txt", "merges.txt")
+
+log = logging.getLogger(__name__)
+_warned_unverified: set[Path] = set()
 
 
 class CheckpointError(ValueError):
@@ -59,17 +80,20 @@ def write_manifest(directory: Path, producer: dict | None = None, metrics: dict 
     return manifest
 
 
-def verify_manifest(directory: Path) -> None:
-    """Raise CheckpointError naming the first file whose size or sha256 differs from the manifest."""
+def verify_manifest(directory: Path) -> bool:
+    """Check every file against the manifest; False when there is no manifest to check against.
+
+    Raises CheckpointError naming the first file whose size or sha256 differs, that is listed but
+    missing, or that loading would read but the manifest does not list."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not path.exists():
-        return
+        return False
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    for name, entry in manifest.get("files", {}).items():
+        listed = json.loads(path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a valid manifest ({e!r})") from e
+    for name, entry in listed.items():
         f = directory / name
         if not f.exists():
             raise CheckpointError(f"{f}: listed in {MANIFEST} but missing")
@@ -77,25 +101,118 @@ def verify_manifest(directory: Path) -> None:
             raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {MANIFEST} says {entry['bytes']} (truncated?)")
         if sha256_file(f) != entry["sha256"]:
             raise CheckpointError(f"{f}: sha256 differs from {MANIFEST} (corrupted file)")
+    for f in sorted(directory.rglob("*")):
+        name = str(f.relative_to(directory))
+        if f.is_file() and name != MANIFEST and name not in listed and (f.suffix in LOADED_SUFFIXES or f.name in LOADED_NAMES):
+            raise CheckpointError(f"{f}: not listed in {MANIFEST} (a file added after the checkpoint was written)")
+    return True
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then every directory (deepest first, `root` last), to disk."""
+    dirs = [root]
+    for p in root.rglob("*"):
+        if p.is_dir():
+            dirs.append(p)
+        else:
+            _fsync(p)
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        _fsync(d)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` durably: a temporary sibling, fsynced, renamed over it, directory fsynced."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync(path.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_SWAP = 2  # macOS sys/stdio.h
+
+
+def exchange_paths(a: Path, b: Path) -> None:
+    """Swap two existing paths in one atomic step. OSError where the OS or filesystem cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        rc = libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rc = libc.renamex_np(os.fsencode(a), os.fsencode(b), _RENAME_SWAP)
+    else:
+        raise OSError(errno.ENOSYS, f"no atomic rename-exchange on {sys.platform}")
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _replace_directory(new: Path, target: Path) -> None:
+    """Put the complete directory `new` at `target`, an existing directory; afterwards `new`
+    holds the old contents (the caller removes them)."""
+    try:
+        exchange_paths(new, target)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        log.warning("%s: this filesystem cannot swap directories atomically (%s); replacing by two renames, "
+                    "so a reader may briefly find no checkpoint there", target, e.strerror)
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    target.rename(old)
+    new.rename(target)
+    old.rename(new)
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Temporaries of writers that died (their process is gone) beside `target`."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.tmp-(\d+)-")
+    for p in target.parent.iterdir():
+        m = pattern.match(p.name)
+        if m and p.is_dir() and not _process_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike, overwrite: bool = False):
-    """Yield a temporary directory beside `target`; rename it to `target` if the block succeeds."""
+    """Yield a temporary directory beside `target`; if the block succeeds, flush it to disk and
+    put it at `target` in one step (swapping out an existing one when `overwrite`)."""
     target = Path(target).absolute()
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    _remove_stale_temporaries(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         yield tmp
+        fsync_tree(tmp)
         if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old)
+            _replace_directory(tmp, target)  # tmp now holds the old checkpoint
         else:
             tmp.rename(target)
+        _fsync(target.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -137,8 +254,10 @@ def write_checkpoint(
     producer: dict | None = None,
     metrics: dict | None = None,
     max_shard_bytes: int = 4 << 30,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write config, weights, generation config, tokenizer and manifest into `target` atomically."""
+    """Write config, weights, generation config, tokenizer, `extra_files` (name -> bytes) and the
+    manifest listing them all into `target` atomically."""
     target = Path(target)
     with atomic_directory(target, overwrite=overwrite) as tmp:
         config.save_pretrained(tmp)
@@ -147,6 +266,8 @@ def write_checkpoint(
         save_state_dict(state, tmp, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
         write_manifest(tmp, producer, metrics)
     return target.absolute()
 
@@ -161,6 +282,7 @@ def save_checkpoint(
     producer: dict | None = None,
     metrics: dict | None = None,
     max_shard_bytes: int = 4 << 30,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Save a SALAForCausalLM (config, weights, tokenizer, generation config, manifest) atomically."""
     state = model.state_dict()
@@ -169,7 +291,8 @@ def save_checkpoint(
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         config = type(config).from_dict({**config.to_dict(), "dtype": dtype})
     return write_checkpoint(target, config, state, getattr(model, "generation_config", None), tokenizer,
-                            overwrite=overwrite, producer=producer, metrics=metrics, max_shard_bytes=max_shard_bytes)
+                            overwrite=overwrite, producer=producer, metrics=metrics, max_shard_bytes=max_shard_bytes,
+                            extra_files=extra_files)
 
 
 def read_config(path: str | os.PathLike) -> SALAConfig:
@@ -211,10 +334,12 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_state_dict(path: str | os.PathLike, verify: bool = True) -> dict[str, torch.Tensor]:
     path = Path(path)
-    if verify:
-        verify_manifest(path)
+    files = weight_files(path)  # first: a directory with no usable weights says so, not that it is unverified
+    if verify and not verify_manifest(path) and path.absolute() not in _warned_unverified:
+        _warned_unverified.add(path.absolute())
+        log.warning("%s: no %s, so nothing in it was verified (loading the files as they are)", path, MANIFEST)
     state: dict[str, torch.Tensor] = {}
-    for f in weight_files(path):
+    for f in files:
         if not f.exists():
             raise CheckpointError(f"{f}: listed in {INDEX} but missing")
         try:
