@@ -24,6 +24,7 @@ from sala.checkpoint_files import (  # noqa: F401  (re-exported: the checkpoint 
     verify_manifest,
     weight_files,
     write_checkpoint,
+    write_file_atomic,
     write_manifest,
 )
 from sala.quant.export import load_quantized_model
