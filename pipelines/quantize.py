@@ -162,7 +162,8 @@ def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: L
 
     def jobs(idx: int, hessians: dict | None) -> list[tuple]:
         named = dict(layers[idx].named_modules())
-        return [(idx, group, m, hessians[site] if hessians else None, named[m].in_features, named[m].out_features)
+        refs = {site: ray.put(h) for site, h in (hessians or {}).items()}  # once per site, not once per Linear
+        return [(idx, group, m, refs.get(site), named[m].in_features, named[m].out_features)
                 for site, groups in layer_groups(layers[idx]).items() for group in groups for m in group]
 
     todo = [i for i in range(len(layers)) if i not in blobs]
