@@ -96,3 +96,16 @@ def test_layers_import_only_what_they_may(layer, forbidden):
 def test_kernels_need_only_torch_and_triton():
     extra = {m: sorted(third_party(m) - {"torch", "triton"}) for m in MODULES if m.startswith("kernels")}
     assert not {m: e for m, e in extra.items() if e}
+
+
+def test_the_nvfp4_format_has_one_definition():
+    """The E2M1 table and the FP4 unpack/decode live in kernels/nvfp4_gemm.py alone; everyone else imports them."""
+    names = {"E2M1_VALUES", "unpack_fp4", "decode_e2m1", "dequantize_fp4"}
+    where: dict[str, list[str]] = {}
+    for m, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            defined = ({t.id for t in node.targets if isinstance(t, ast.Name)} if isinstance(node, ast.Assign)
+                       else {node.name} if isinstance(node, ast.FunctionDef) else set())
+            for n in defined & names:
+                where.setdefault(n, []).append(m)
+    assert where == {n: ["kernels.nvfp4_gemm"] for n in names}
