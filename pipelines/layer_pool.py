@@ -165,8 +165,13 @@ class LayerPool:
                        for w in range(workers)]
         self.pids = ray.get([a.pid.remote() for a in self.actors])
 
-    def layer_hessians(self, idx: int, applied: list) -> dict[str, torch.Tensor]:
-        return self._reduce(self._gather([a.layer_hessians.remote(idx, applied) for a in self.actors], f"model.layers.{idx}"))
+    def submit_layer_hessians(self, idx: int, applied: list) -> list:
+        """Start every actor on layer `idx`'s Hessians (after the layers in `applied`); returns the calls."""
+        return [a.layer_hessians.remote(idx, applied) for a in self.actors]
+
+    def layer_hessians(self, idx: int, calls: list) -> dict[str, torch.Tensor]:
+        """The Hessians of layer `idx` from the calls submit_layer_hessians started."""
+        return self._reduce(self._gather(calls, f"model.layers.{idx}"))
 
     def model_hessians(self) -> dict[int, dict[str, torch.Tensor]]:
         out: dict[int, dict[str, torch.Tensor]] = {}

@@ -153,11 +153,13 @@ def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: L
           "calibration shards", flush=True)
     bar = tqdm(total=len(layers), initial=len(blobs), desc="quantizing layers", file=sys.stderr)
 
-    def finish(idx: int, res: dict) -> None:
-        res = dict(sorted(res.items()))  # completion order varies with the workers; the bytes must not
-        blobs[idx] = results_to_bytes(res)
+    def done_layer(idx: int, res: dict) -> None:
+        # Completion order varies with the workers; the bytes must not.
+        blobs[idx] = results_to_bytes(dict(sorted(res.items())))
+
+    def record(idx: int) -> None:
         store.save(idx, *blobs[idx])
-        log_layer(idx, res)
+        log_layer(idx, results_from_bytes(*blobs[idx]))
         bar.update(1)
 
     def jobs(idx: int, hessians: dict | None) -> list[tuple]:
@@ -175,20 +177,26 @@ def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: L
         def done(idx, module, out):
             partial[idx].update(results_from_bytes(*out))
             if len(partial[idx]) == needed[idx]:
-                finish(idx, partial.pop(idx))
+                done_layer(idx, partial.pop(idx))
+                record(idx)
 
         pool.quantize([j for i in todo for j in jobs(i, hessians.get(i))], opts, done)
     else:
         # Layer by layer: layer i's Hessians come from inputs that went through the quantized layers
         # before it (the actors apply them first), so GPTQ corrects the error those introduced.
-        applied = []
+        # As soon as layer i is quantized the actors start on layer i+1 (applying i, running their
+        # shards through it, the next Hessians) while the driver stores and logs layer i.
+        applied, calls = [], None
         for i in range(len(layers)):
             if i in todo:
                 res = {}
-                pool.quantize(jobs(i, pool.layer_hessians(i, applied)), opts,
-                              lambda idx, module, out: res.update(results_from_bytes(*out)))
-                finish(i, res)
+                hessians = pool.layer_hessians(i, calls or pool.submit_layer_hessians(i, applied))
+                pool.quantize(jobs(i, hessians), opts, lambda idx, module, out: res.update(results_from_bytes(*out)))
+                done_layer(i, res)
             applied.append(ray.put(blobs[i]))
+            calls = pool.submit_layer_hessians(i + 1, applied) if i + 1 in todo else None
+            if i in todo:
+                record(i)
     bar.close()
     return {i: results_from_bytes(*blobs[i]) for i in sorted(blobs)}
 

@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "2", "--eval-sequences", "6", "--max-kl", "0.5"]
+SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6", "--max-kl", "0.5"]
 pytestmark = pytest.mark.slow
 
 
