@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sala.checkpoint import load_model
+from sala.checkpoint_files import write_manifest
 from sala.config import SALAConfig
 from sala.context import StepContext
 from sala.engine import Engine, SamplingParams
@@ -248,6 +249,7 @@ def test_from_pretrained_picks_up_the_checkpoints_plan(tiny, tiny_sala_dir, tmp_
     shutil.copytree(tiny_sala_dir, ckpt)
     plan = KVPlan.uniform(model.config, "nvfp4", "bf16").with_units({model.config.sparse_layers[0]: "fp8"})
     plan.save(ckpt)
+    write_manifest(ckpt)  # the plan is part of the checkpoint: its manifest lists it
     assert json.loads((ckpt / "kv_plan.json").read_text())["layers"][0] == {"layer": 0, "kind": "sparse", "kv": "fp8"}
     engine = Engine.from_pretrained(ckpt, compile=False)
     assert engine.kv_plan.kv == plan.kv and engine.kv_plan.state == plan.state
@@ -256,6 +258,7 @@ def test_from_pretrained_picks_up_the_checkpoints_plan(tiny, tiny_sala_dir, tmp_
     other = Engine.from_pretrained(ckpt, compile=False, kv_plan=KVPlan.uniform(model.config, "fp8").to_json())
     assert set(other.kv_plan.kv.values()) == {"fp8"}
     (ckpt / "kv_plan.json").write_text(json.dumps(plan_dict(model.config, {1: {"kind": "sparse", "kv": "fp8"}})))
+    write_manifest(ckpt)
     with pytest.raises(KVPlanError, match="layer 1 is a lightning layer"):
         Engine.from_pretrained(ckpt, compile=False)
 
