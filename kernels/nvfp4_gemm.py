@@ -49,6 +49,16 @@ INTERPRETER_SM_COUNT = 4
 if triton is not None:
 
     @triton.jit
+    def e2m1_decode(code):
+        """fp32 value of 4-bit E2M1 codes (bit 3 = sign; shared by every kernel that reads E2M1).
+        Exponent e = bits 1..2, mantissa m = bit 0; e == 0 is subnormal (m / 2), otherwise
+        2^(e-1) * (1 + m/2) = (2 + m) * 2^e / 4."""
+        e = (code >> 1) & 3
+        m = (code & 1).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+        return tl.where((code & 8) != 0, -mag, mag)
+
+    @triton.jit
     def _nvfp4_matmul_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr,
         M, N, K, K_PER_SPLIT,
@@ -86,12 +96,7 @@ if triton is not None:
             scale = tl.load(s_ptr + rn[:, None] * stride_sn + (rj // 8)[None, :], w_ok, other=0.0).to(tl.float32)
             for half in tl.static_range(2):  # low nibble = even column, high = odd
                 code = (byte >> (4 * half)) & 0xF
-                # E2M1 decode: exponent e = bits 1..2, mantissa m = bit 0; e == 0 is subnormal
-                # (m / 2), otherwise 2^(e-1) * (1 + m/2) = (2 + m) * 2^e / 4.
-                e = (code >> 1) & 3
-                m = (code & 1).to(tl.float32)
-                mag = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
-                w = tl.where((code & 8) != 0, -mag, mag) * scale
+                w = e2m1_decode(code) * scale
                 x = x_even if half == 0 else x_odd
                 if DOT_FP32:
                     acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")

@@ -92,9 +92,10 @@ def global_scale(amax: torch.Tensor | float, scale_rule: str = "6") -> torch.Ten
 
 def to_fp8_scale(s: torch.Tensor) -> torch.Tensor:
     """Round a high-precision group scale to FP8 E4M3 (RNE), saturating and avoiding zero."""
-    s8 = s.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    eps = torch.tensor(FP8_ZERO_SCALE_EPS, dtype=torch.float8_e4m3fn, device=s.device)
-    return torch.where(s8.float() == 0, eps, s8)
+    s8 = s.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    # Selected in fp32 and cast back (exact: both sides are FP8 values), since inductor
+    # cannot compile a where over float8 operands (the engine compiles K/V writes).
+    return torch.where(s8 == 0, FP8_ZERO_SCALE_EPS, s8).to(torch.float8_e4m3fn)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +163,7 @@ def block_scales(
         return (values - groups).square().sum(dim=-1)
 
     m4 = group_sq_error(scale4) < group_sq_error(scale6)
-    return torch.where(m4, scale4, scale6), m4
+    return torch.where(m4, scale4.float(), scale6.float()).to(torch.float8_e4m3fn), m4
 
 
 def resolve_amax(w: torch.Tensor, global_amax: torch.Tensor | float | None) -> torch.Tensor:
@@ -192,10 +193,19 @@ def quantize_rtn(
     check_weight(w)
     amax = resolve_amax(w, global_amax)
     gscale = global_scale(amax, scale_rule)
-    scale, m4 = block_scales(w, gscale, scale_rule)
+    codes, scale, m4 = quantize_groups(w, gscale, scale_rule)
+    return NVFP4Tensor(codes, scale, gscale, m4)
+
+
+def quantize_groups(
+    x: torch.Tensor, gscale: torch.Tensor, scale_rule: str = "6"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., K], FP8 group scales and M=4 mask [..., K/16] of any tensor whose last dim
+    is cut into 16-groups, under a given global scale (weights here, K/V heads in sala/kv)."""
+    scale, m4 = block_scales(x, gscale, scale_rule)
     step = (scale.float() / gscale).unsqueeze(-1)
-    codes = _encode(w.float().unflatten(-1, (-1, GROUP_SIZE)), step)
-    return NVFP4Tensor(codes.flatten(-2), scale, gscale, m4)
+    codes = _encode(x.float().unflatten(-1, (-1, GROUP_SIZE)), step)
+    return codes.flatten(-2), scale, m4
 
 
 def dequantize(
