@@ -27,9 +27,9 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kernels.paged_attention import paged_decode_attention
 from sala import lightning
 from sala.config import LIGHTNING, SALAConfig
+from sala.kv.pages import decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,9 @@ class SparseAttention(QKVOProjections):
     """The "minicpm4" mixer: GQA softmax attention, NoPE by default, sigmoid output gate."""
 
     gate_name = "o_gate"
+    # sala.kv.apply_to_model sets a callable (k, v) -> (k, v) as the cache stores them, so the
+    # batch path attends over the same quantized K/V the engine's pages hold.
+    kv_quant = None
 
     def __init__(self, config: SALAConfig, layer_idx: int):
         super().__init__(config, layer_idx, config.num_attention_heads, config.num_key_value_heads,
@@ -196,6 +199,8 @@ class SparseAttention(QKVOProjections):
     def attend_batch(self, q, k, v, cache: SALACache | None, key_mask: torch.Tensor | None):
         """[B, T] batches with a contiguous per-batch cache (the transformers path)."""
         past = 0
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, v)
         if cache is not None:
             past = cache.kv_length(self.layer_idx)
             k, v = cache.append_kv(self.layer_idx, k, v)
@@ -210,26 +215,28 @@ class SparseAttention(QKVOProjections):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     def attend_step(self, q, k, v, ctx):
-        """One engine step's flat rows (q [1, Hq, N, D]) over the paged K/V pool; see sala/context.py."""
-        k_pages, v_pages = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]  # [pages, page_size, Hkv, D]
-        k_rows, v_rows = k_pages.view(-1, self.n_kv, self.head_dim), v_pages.view(-1, self.n_kv, self.head_dim)
-        k_rows.index_copy_(0, ctx.slot_mapping, k[0].transpose(0, 1).to(k_rows.dtype))
-        v_rows.index_copy_(0, ctx.slot_mapping, v[0].transpose(0, 1).to(v_rows.dtype))
+        """One engine step's flat rows (q [1, Hq, N, D]) over the paged K/V pool (sala/kv/pages.py:
+        each layer's pages in its own format); see sala/context.py."""
+        k_pages, v_pages = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
+        k_pages.write(ctx.slot_mapping, k[0].transpose(0, 1))
+        v_pages.write(ctx.slot_mapping, v[0].transpose(0, 1))
+        # A quantized cache: prompt chunks attend over what decode will read, not the exact K/V.
+        lossless = k_pages.codec.lossless_for(q.dtype) and v_pages.codec.lossless_for(q.dtype)
         gqa = self.n_heads != self.n_kv
         outs = []
         if ctx.num_decode:
             q_dec = q[0, :, : ctx.num_decode].transpose(0, 1)
-            o = paged_decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, self.head_dim**-0.5)
+            o = decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, self.head_dim**-0.5)
             outs.append(o.transpose(0, 1))  # [Hq, n_decode, D]
         for span in ctx.prefills:
             end = span.start + span.length
-            if span.past == 0:  # a fresh prompt: its own K/V, causal flash path
+            if span.past == 0 and lossless:  # a fresh prompt: its own K/V, causal flash path
                 ks, vs = k[:, :, span.start : end], v[:, :, span.start : end]
-                mask = None
             else:
-                ks = k_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
-                vs = v_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
-                mask = causal_mask(span.length, span.past + span.length, span.past, None, q.device)
+                rows = span.kv_rows if span.past else ctx.slot_mapping[span.start : end]
+                ks = k_pages.read(rows, q.dtype).transpose(0, 1)[None]
+                vs = v_pages.read(rows, q.dtype).transpose(0, 1)[None]
+            mask = None if span.past == 0 else causal_mask(span.length, span.past + span.length, span.past, None, q.device)
             o = F.scaled_dot_product_attention(q[:, :, span.start : end], ks, vs, attn_mask=mask,
                                                is_causal=mask is None, enable_gqa=gqa)
             outs.append(o[0])
@@ -275,6 +282,7 @@ class LightningAttention(QKVOProjections):
     """The "lightning-attn" mixer: QK-norm, RoPE, fp32 decayed linear attention, output norm and gate."""
 
     gate_name = "z_proj"
+    state_dtype = torch.float32  # what the cache keeps the state in (a KV plan may say bf16); computed in fp32
 
     def __init__(self, config: SALAConfig, layer_idx: int):
         super().__init__(config, layer_idx, config.lightning_nh, config.lightning_nkv, config.lightning_head_dim,
@@ -307,13 +315,14 @@ class LightningAttention(QKVOProjections):
             o = self.attend_step(q, k, v, g, context)
         else:
             state = cache.states.get(self.layer_idx) if cache is not None else None
+            state = state.float() if state is not None else None
             if q.shape[2] == 1 and state is not None:
                 o, state = lightning.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g, self.scale, state)
                 o = o[:, :, None]
             else:
                 o, state = lightning.chunked(q, k, v, g, self.scale, state)
             if cache is not None:
-                cache.states[self.layer_idx] = state
+                cache.states[self.layer_idx] = state.to(self.state_dtype)
         b, _, t, _ = o.shape
         o = o.transpose(1, 2).reshape(b, t, -1).to(x.dtype)
         if self.config.use_output_norm:
@@ -329,15 +338,16 @@ class LightningAttention(QKVOProjections):
         nd = ctx.num_decode
         if nd:
             q_dec, k_dec, v_dec = (t[0, :, :nd].transpose(0, 1) for t in (q, k, v))  # [n_decode, H, D]
-            o, s = lightning.step(q_dec, k_dec, v_dec, g, self.scale, states.index_select(0, ctx.state_slots))
-            states.index_copy_(0, ctx.state_slots, s)
+            o, s = lightning.step(q_dec, k_dec, v_dec, g, self.scale, states.index_select(0, ctx.state_slots).float())
+            states.index_copy_(0, ctx.state_slots, s.to(states.dtype))
             outs.append(o.transpose(0, 1))
         spans = ctx.prefills
         if len(spans) == 1 or (spans and ctx.batch_invariant):
             # One span at a time: the exact shapes a request would see alone.
             for span in spans:
                 part = slice(span.start, span.start + span.length)
-                o, s = lightning.chunked(q[:, :, part], k[:, :, part], v[:, :, part], g, self.scale, states[span.state_slot][None])
+                o, s = lightning.chunked(q[:, :, part], k[:, :, part], v[:, :, part], g, self.scale,
+                                         states[span.state_slot][None].float())
                 states[span.state_slot] = s[0]
                 outs.append(o[0])
         elif spans:
@@ -345,9 +355,9 @@ class LightningAttention(QKVOProjections):
             first, lengths = spans[0].start, [s.length for s in spans]
             padded = [pad_sequence(t[0, :, first : first + sum(lengths)].transpose(0, 1).split(lengths), batch_first=True)
                       .transpose(1, 2) for t in (q, k, v)]  # [R, H, T_max, D]
-            o, s = lightning.chunked(*padded, g, self.scale, states.index_select(0, ctx.prefill_state_slots),
+            o, s = lightning.chunked(*padded, g, self.scale, states.index_select(0, ctx.prefill_state_slots).float(),
                                      lengths=ctx.prefill_lengths)
-            states.index_copy_(0, ctx.prefill_state_slots, s)
+            states.index_copy_(0, ctx.prefill_state_slots, s.to(states.dtype))
             outs += [o[i, :, :n] for i, n in enumerate(lengths)]
         return _rows_with_padding(outs, q)
 

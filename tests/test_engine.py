@@ -18,6 +18,7 @@ from sala.engine import AsyncEngine, CacheFull, Engine, InvalidParam, QueueFull,
 from sala.engine.cache import CachePool, plan_memory
 from sala.engine.engine import cuda_cache_budget
 from sala.engine.sampling import filtered_probs
+from sala.kv import KVPlan
 from sala.tiny import heldout_texts
 from tests.conftest import assert_gpu_bench_refuses_cpu
 
@@ -436,11 +437,11 @@ def test_start_up_errors_are_one_line(model, tokenizer, tiny_sala_dir):
 def test_cache_pool_layer_dtypes_and_pages(model):
     config = model.config
     first, second = config.sparse_layers[:2]
-    dtypes = {i: torch.float32 for i in config.sparse_layers} | {first: torch.bfloat16}
-    plan = plan_memory(config, 8 << 20, max_seqs=4, max_model_len=256, page_size=16, kv_dtypes=dtypes)
-    pool = CachePool(config, plan, dtypes, torch.device("cpu"))
-    assert pool.k[first].dtype == torch.bfloat16 and pool.k[second].dtype == torch.float32
-    assert pool.k[first].shape == (plan.num_pages + 1, 16, config.num_key_value_heads, config.head_dim)
+    kv_plan = KVPlan.uniform(config, "fp32").with_units({first: "bf16"})
+    plan = plan_memory(config, 8 << 20, max_seqs=4, max_model_len=256, page_size=16, kv_plan=kv_plan)
+    pool = CachePool(config, plan, kv_plan, torch.device("cpu"))
+    assert pool.k[first].data.dtype == torch.bfloat16 and pool.k[second].data.dtype == torch.float32
+    assert pool.k[first].data.shape == (plan.num_pages + 1, 16, config.num_key_value_heads, config.head_dim)
     assert pool.states[config.lightning_layers[0]].shape[0] == plan.max_seqs + 1  # + the scratch slot
     assert pool.pages_for(16) == 1 and pool.pages_for(17) == 2
     from sala.engine.request import Request
@@ -471,8 +472,8 @@ def test_cache_plan_for_the_9b_model(device_gib):
     weights = sum(p.numel() for p in model.parameters()) * 2
     total = device_gib * 10**9
     budget = cuda_cache_budget(config, total=total, free=total - weights, utilization=0.9, max_seqs=256)
-    kv = {i: torch.bfloat16 for i in config.sparse_layers}
-    plan = plan_memory(config, budget, max_seqs=256, max_model_len=config.max_position_embeddings, page_size=64, kv_dtypes=kv)
+    kv = KVPlan.uniform(config, "bf16")
+    plan = plan_memory(config, budget, max_seqs=256, max_model_len=config.max_position_embeddings, page_size=64, kv_plan=kv)
     print(f"\n{device_gib} GB: weights {weights / GIB:.1f} GiB; {plan.describe()}")
     assert plan.state_bytes_per_seq == 48 * 2**20 and plan.kv_bytes_per_token == 8 * 1024
     assert plan.max_kv_tokens >= config.max_position_embeddings  # one full-length request fits
@@ -509,3 +510,18 @@ print("same tokens")
 
 def test_gpu_bench_exits_with_one_line_without_a_gpu():
     assert_gpu_bench_refuses_cpu("engine_gpu.py")
+
+
+def test_requests_are_compared_by_identity():
+    """Two requests with the same fields are still two requests: the scheduler's `in` and
+    `remove` over its lists must find this one, not its twin."""
+    from dataclasses import replace
+
+    from sala.engine.request import Request
+
+    a = Request([1, 2, 3], SamplingParams(), None, None, request_id="same")
+    b = replace(a)
+    assert a != b and b not in [a] and len({a, b}) == 2
+    running = [a, b]
+    running.remove(b)
+    assert running[0] is a

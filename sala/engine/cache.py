@@ -2,11 +2,13 @@
 
 Sparse layers keep K and V for every past token, in one tensor per layer
 [num_pages + 1, page_size, kv_heads, head_dim] handed out a page at a time as a sequence grows;
-a request owns a list of pages (its page table). Every layer has its own storage dtype (the KV
-plan's hook: the compute dtype today, fp8 / nvfp4 formats plug in here).
+a request owns a list of pages (its page table). Each layer stores its pages in the format the
+KV plan gives it (sala/kv: bf16, fp8, nvfp4; with no plan, the model's dtype), quantized on
+write and dequantized on read by the layer's `KVPages`.
 
-Lightning layers keep one fp32 state [heads, d_k, d_v] per request per layer, whatever the
-sequence length, in [max_seqs + 1, heads, d_k, d_v] tensors; a request owns one slot.
+Lightning layers keep one state [heads, d_k, d_v] per request per layer (fp32, or bf16 where
+the plan says so), whatever the sequence length, in [max_seqs + 1, heads, d_k, d_v] tensors; a
+request owns one slot.
 
 The last page and the last state slot are scratch: padding rows of a step (added to round a
 batch up) write there, so every row of a step is a valid write and a captured CUDA graph
@@ -23,20 +25,23 @@ from dataclasses import dataclass
 import torch
 
 from sala.engine.request import Request
+from sala.kv import KVPages, KVPlan
 
 
 class CacheFull(RuntimeError):
     """A budget that cannot hold one request of full length, or a request larger than the cache."""
 
 
-def kv_bytes_per_token(config, kv_dtypes: dict[int, torch.dtype]) -> int:
-    """K and V of one token across all sparse layers."""
-    return sum(2 * config.num_key_value_heads * config.head_dim * kv_dtypes[i].itemsize for i in config.sparse_layers)
+def kv_bytes_per_token(config, kv_plan: KVPlan) -> int:
+    """K and V of one token across all sparse layers, in each layer's format."""
+    return sum(kv_plan.kv_bytes_per_token(config).values())
 
 
-def state_bytes_per_seq(config) -> int:
-    """The fp32 recurrent states of one sequence across all lightning layers."""
-    return len(config.lightning_layers) * config.lightning_nh * config.lightning_head_dim**2 * 4
+def state_bytes_per_seq(config, kv_plan: KVPlan | None = None) -> int:
+    """The recurrent states of one sequence across all lightning layers (fp32 without a plan)."""
+    if kv_plan is None:
+        return len(config.lightning_layers) * config.lightning_nh * config.lightning_head_dim**2 * 4
+    return sum(kv_plan.state_bytes_per_seq(config).values())
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,16 @@ class MemoryPlan:
                 f"states for {self.max_seqs} sequences ({self.state_bytes_per_seq / 2**20:.2f} MiB each)")
 
 
-def full_request_kv_bytes(config, max_model_len: int, page_size: int, kv_dtypes: dict[int, torch.dtype]) -> int:
+def full_request_kv_bytes(config, max_model_len: int, page_size: int, kv_plan: KVPlan) -> int:
     """K/V pages of one request of max_model_len tokens: the least a cache must hold."""
-    return -(-max_model_len // page_size) * page_size * kv_bytes_per_token(config, kv_dtypes)
+    return -(-max_model_len // page_size) * page_size * kv_bytes_per_token(config, kv_plan)
 
 
 def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, page_size: int,
-                kv_dtypes: dict[int, torch.dtype]) -> MemoryPlan:
-    kv_token, state = kv_bytes_per_token(config, kv_dtypes), state_bytes_per_seq(config)
+                kv_plan: KVPlan) -> MemoryPlan:
+    kv_token, state = kv_bytes_per_token(config, kv_plan), state_bytes_per_seq(config, kv_plan)
     page = page_size * kv_token
-    one_full = full_request_kv_bytes(config, max_model_len, page_size, kv_dtypes)
+    one_full = full_request_kv_bytes(config, max_model_len, page_size, kv_plan)
     if budget_bytes < one_full + state:
         raise CacheFull(f"a cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one request of max_model_len="
                         f"{max_model_len} tokens ({(one_full + state) / 2**20:.1f} MiB of K/V and state): raise the "
@@ -79,14 +84,18 @@ def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, pa
 
 
 class CachePool:
-    def __init__(self, config, plan: MemoryPlan, kv_dtypes: dict[int, torch.dtype], device: torch.device):
-        self.plan, self.page_size, self.device = plan, plan.page_size, device
+    def __init__(self, config, plan: MemoryPlan, kv_plan: KVPlan, device: torch.device):
+        self.plan, self.kv_plan, self.page_size, self.device = plan, kv_plan, plan.page_size, device
         n_kv, d = config.num_key_value_heads, config.head_dim
-        shape = (plan.num_pages + 1, plan.page_size, n_kv, d)
-        self.k = {i: torch.zeros(shape, dtype=kv_dtypes[i], device=device) for i in config.sparse_layers}
-        self.v = {i: torch.zeros(shape, dtype=kv_dtypes[i], device=device) for i in config.sparse_layers}
+
+        def pages(i: int, side: str) -> KVPages:
+            return KVPages(kv_plan.codec(i, side), plan.num_pages + 1, plan.page_size, n_kv, d, device)
+
+        self.k = {i: pages(i, "k") for i in config.sparse_layers}
+        self.v = {i: pages(i, "v") for i in config.sparse_layers}
         h, dl = config.lightning_nh, config.lightning_head_dim
-        self.states = {i: torch.zeros(plan.max_seqs + 1, h, dl, dl, device=device) for i in config.lightning_layers}
+        self.states = {i: torch.zeros(plan.max_seqs + 1, h, dl, dl, dtype=kv_plan.state_dtype(i), device=device)
+                       for i in config.lightning_layers}
         self.scratch_page, self.scratch_slot = plan.num_pages, plan.max_seqs
         self.free_pages = list(range(plan.num_pages - 1, -1, -1))
         self.free_state_slots = list(range(plan.max_seqs - 1, -1, -1))
@@ -136,7 +145,9 @@ class CachePool:
     def copy_page(self, src: int, dst: int) -> None:
         """Page dst's K/V := page src's, in every sparse layer (a prefix tail copied for a new request)."""
         for pages in (*self.k.values(), *self.v.values()):
-            pages[dst].copy_(pages[src])
+            for t in (pages.data, pages.scale):  # the stored format as it is: codes and their scales
+                if t is not None:
+                    t[dst].copy_(t[src])
 
     def rows(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Pool rows (page * page_size + offset) of positions start .. end - 1."""

@@ -33,6 +33,7 @@ from sala.engine.request import Completion, Request, RequestOutput, TokenLogprob
 from sala.engine.runner import ModelRunner
 from sala.engine.sampling import sample, token_logprobs
 from sala.engine.scheduler import Scheduler
+from sala.kv import PLAN_FILE, default_plan, load_plan
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class Engine:
       step's token budget); max_model_len (default the config's); max_waiting (queue bound).
     - batch_invariant: the evaluation mode (bitwise-reproducible logprobs whatever else runs);
       compile: the compiled / CUDA-graph decode step (ignored in the evaluation mode).
+    - kv_plan: the cache plan (sala/kv/plan.py; a KVPlan, its JSON dict, or a kv_plan.json path):
+      each sparse layer's K/V format and each lightning layer's state dtype. Default: K/V in the
+      model's dtype, fp32 states; from_pretrained picks up the checkpoint's kv_plan.json.
     - prefix_cache: reuse the K/V pages and lightning states of shared prefixes
       (sala/engine/prefix.py); outputs are unchanged (bitwise in the evaluation mode).
       prefix_snapshot_interval: tokens between state snapshots (a multiple of the page size and
@@ -74,8 +78,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None, max_model_len: int | None = None,
                  max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = False, compile: bool = True,
-                 kv_dtypes: dict[int, torch.dtype] | None = None, prefix_cache: bool = True,
-                 prefix_snapshot_interval: int = 512, prefix_snapshot_bytes: int | None = None):
+                 kv_plan=None, prefix_cache: bool = True, prefix_snapshot_interval: int = 512,
+                 prefix_snapshot_bytes: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.config = config = model.config
         param = next(model.parameters())
@@ -86,22 +90,23 @@ class Engine:
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         cuda = self.device.type == "cuda"
         max_seqs = max_seqs or (256 if cuda else 32)
-        kv_dtypes = {i: (kv_dtypes or {}).get(i, param.dtype) for i in config.sparse_layers}
         unit = math.lcm(page_size, lightning.CHUNK_SIZE)
         if prefix_cache and (prefix_snapshot_interval <= 0 or prefix_snapshot_interval % unit):
             raise ValueError(f"prefix_snapshot_interval={prefix_snapshot_interval} must be a positive multiple of {unit} "
                              f"(the page size {page_size} and the lightning chunk {lightning.CHUNK_SIZE})")
+        # Checked against the model before anything is allocated: a bad plan fails at start-up.
+        self.kv_plan = default_plan(config, param.dtype) if kv_plan is None else load_plan(kv_plan, config)
         default_budget = memory_bytes is None
         if default_budget:
             memory_bytes = _default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len, page_size,
-                                           kv_dtypes)
+                                           self.kv_plan)
         if prefix_cache and prefix_snapshot_bytes is None:
             prefix_snapshot_bytes = memory_bytes // 8
             if default_budget and cuda:
                 memory_bytes -= prefix_snapshot_bytes
-        plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, kv_dtypes)
-        log.info("%s", plan.describe())
-        self.cache = CachePool(config, plan, kv_dtypes, self.device)
+        plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, self.kv_plan)
+        log.info("%s; %s", plan.describe(), self.kv_plan.describe())
+        self.cache = CachePool(config, plan, self.kv_plan, self.device)
         self.prefix = PrefixCache(self.cache, config, prefix_snapshot_interval, prefix_snapshot_bytes, exact=batch_invariant) \
             if prefix_cache else None
         granule = lightning.CHUNK_SIZE if batch_invariant else 1
@@ -120,7 +125,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                        **kwargs) -> Engine:
+                        kv_plan=None, **kwargs) -> Engine:
+        """A checkpoint directory; its kv_plan.json is used unless `kv_plan` (path or dict) is given."""
         from transformers import AutoTokenizer  # sala/__init__ has registered SALA's tokenizer class
 
         from sala.checkpoint import load_model  # BF16, or NVFP4 through the W4A16 path
@@ -130,7 +136,13 @@ class Engine:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available (torch {torch.__version__}); use device='cpu'")
-        return cls(load_model(path, dtype, device), AutoTokenizer.from_pretrained(path), **kwargs)
+        if kv_plan is None and (Path(path) / PLAN_FILE).is_file():
+            kv_plan = Path(path) / PLAN_FILE
+        if kv_plan is not None:  # a bad plan fails before the weights load
+            from sala.checkpoint import read_config
+
+            load_plan(kv_plan, read_config(Path(path)))
+        return cls(load_model(path, dtype, device), AutoTokenizer.from_pretrained(path), kv_plan=kv_plan, **kwargs)
 
     @property
     def num_preemptions(self) -> int:
@@ -332,13 +344,13 @@ class RequestStream:
 
 
 def _default_budget(config, device: torch.device, utilization: float, max_seqs: int, max_model_len: int, page_size: int,
-                    kv_dtypes: dict[int, torch.dtype]) -> int:
+                    kv_plan) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return cuda_cache_budget(config, total, free, utilization, max_seqs)
-    states = max_seqs * state_bytes_per_seq(config)
-    want = max(max_seqs * min(max_model_len, 4096) * kv_bytes_per_token(config, kv_dtypes),
-               full_request_kv_bytes(config, max_model_len, page_size, kv_dtypes)) + states
+    states = max_seqs * state_bytes_per_seq(config, kv_plan)
+    want = max(max_seqs * min(max_model_len, 4096) * kv_bytes_per_token(config, kv_plan),
+               full_request_kv_bytes(config, max_model_len, page_size, kv_plan)) + states
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

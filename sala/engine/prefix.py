@@ -88,11 +88,12 @@ class PrefixCache:
         self.clock = itertools.count(1)
         self.evictable: list[tuple[int, int, Node]] = []  # heap of (last_used, tie, node): ref-0 leaves, lazily pruned
         self.num_evictable = 0  # nodes no request holds (each one page the pool may take back)
-        self.snapshot_bytes = state_bytes_per_seq(config)
+        self.snapshot_bytes = state_bytes_per_seq(config, cache.kv_plan)
         n = snapshot_bytes // self.snapshot_bytes if self.snapshot_bytes else 0
         self.max_snapshots = int(n)
         h, d = config.lightning_nh, config.lightning_head_dim
-        self.snapshots = {i: torch.zeros(self.max_snapshots, h, d, d, device=cache.device) for i in config.lightning_layers}
+        self.snapshots = {i: torch.zeros(self.max_snapshots, h, d, d, dtype=cache.states[i].dtype, device=cache.device)
+                          for i in config.lightning_layers}
         self.free_snapshots = list(range(self.max_snapshots - 1, -1, -1))
         self.snapshot_lru: OrderedDict[int, Node] = OrderedDict()  # slot -> node, least recently used first
         # Totals for monitoring (each request counted at its first admission; a preempted one resuming is not).

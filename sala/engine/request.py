@@ -53,7 +53,9 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
-@dataclass
+# eq=False: a request is itself, not its fields. The scheduler's `in` and `remove` over its
+# lists must find this request, never another whose prompt and state happen to be equal.
+@dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
     params: SamplingParams

@@ -20,22 +20,39 @@ def window_sequences(stream: torch.Tensor, seq_len: int, max_sequences: int | No
 
 @torch.no_grad()
 def compare_models(reference, candidate, windows: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
-    nll_ref = nll_cand = kl = agree = 0.0
-    count = 0
+    sums: dict[str, float] = {}
     for i in range(0, len(windows), batch_size):
         w = windows[i : i + batch_size]
         x, y = w[:, :-1], w[:, 1:]
         lp_ref = F.log_softmax(reference(x, use_cache=False).logits.float(), -1)
         lp_cand = F.log_softmax(candidate(x, use_cache=False).logits.float(), -1)
-        nll_ref -= lp_ref.gather(-1, y[..., None]).sum().item()
-        nll_cand -= lp_cand.gather(-1, y[..., None]).sum().item()
-        kl += (lp_ref.exp() * (lp_ref - lp_cand)).sum(-1).sum().item()
-        agree += (lp_ref.argmax(-1) == lp_cand.argmax(-1)).sum().item()
-        count += y.numel()
+        for k, v in divergence_sums(lp_ref, lp_cand, y).items():
+            sums[k] = sums.get(k, 0.0) + v
+    return finish(sums)
+
+
+def compare_logprobs(lp_ref: torch.Tensor, lp_cand: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """The same metrics from log-probabilities [..., V] already computed (e.g. over a quantized
+    cache, sala/kv/measure.py) and the tokens that followed [...]."""
+    return finish(divergence_sums(lp_ref.float(), lp_cand.float(), targets))
+
+
+def divergence_sums(lp_ref: torch.Tensor, lp_cand: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     return {
-        "ppl_reference": math.exp(nll_ref / count),
-        "ppl": math.exp(nll_cand / count),
-        "kl_mean": kl / count,
-        "top1_agreement": agree / count,
+        "nll_ref": -lp_ref.gather(-1, targets[..., None]).sum().item(),
+        "nll": -lp_cand.gather(-1, targets[..., None]).sum().item(),
+        "kl": (lp_ref.exp() * (lp_ref - lp_cand)).sum(-1).sum().item(),
+        "agree": (lp_ref.argmax(-1) == lp_cand.argmax(-1)).sum().item(),
+        "count": targets.numel(),
+    }
+
+
+def finish(sums: dict[str, float]) -> dict[str, float]:
+    count = sums["count"]
+    return {
+        "ppl_reference": math.exp(sums["nll_ref"] / count),
+        "ppl": math.exp(sums["nll"] / count),
+        "kl_mean": sums["kl"] / count,
+        "top1_agreement": sums["agree"] / count,
         "tokens": count,
     }

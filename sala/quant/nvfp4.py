@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP_SIZE = 16
+# The E2M1 table, the group size, unpacking and dequantization have one home, beside the GEMM
+# kernel that decodes the same bits (sala may import kernels, never the reverse).
+from kernels.nvfp4_gemm import E2M1_VALUES, GROUP_SIZE, decode_e2m1, dequantize_fp4, unpack_fp4  # noqa: F401  (public here too)
+
 FP4_MAX = 6.0
 FP8_MAX = 448.0
 # compressed-tensors replaces a zero FP8 group scale by this value (``_get_dtype_eps``) so
@@ -32,12 +35,6 @@ FP8_ZERO_SCALE_EPS = 0.125
 # the tensor maximum can still take the 1.5x larger "scale to 4" (256 * 1.5 = 384 <= 448).
 SCALE_RULES = {"6": 448.0, "4over6": 256.0}
 FOUR_OVER_SIX_EXPANSION = 1.5
-
-# Value of every code: magnitude from bits 0..2, sign from bit 3 (0x8 is -0.0).
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=torch.float32,
-)
 
 
 @dataclass
@@ -95,9 +92,10 @@ def global_scale(amax: torch.Tensor | float, scale_rule: str = "6") -> torch.Ten
 
 def to_fp8_scale(s: torch.Tensor) -> torch.Tensor:
     """Round a high-precision group scale to FP8 E4M3 (RNE), saturating and avoiding zero."""
-    s8 = s.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    eps = torch.tensor(FP8_ZERO_SCALE_EPS, dtype=torch.float8_e4m3fn, device=s.device)
-    return torch.where(s8.float() == 0, eps, s8)
+    s8 = s.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    # Selected in fp32 and cast back (exact: both sides are FP8 values), since inductor
+    # cannot compile a where over float8 operands (the engine compiles K/V writes).
+    return torch.where(s8 == 0, FP8_ZERO_SCALE_EPS, s8).to(torch.float8_e4m3fn)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -119,13 +117,6 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
         + (a > 5.0)
     )
     return mag | ((x < 0).to(torch.uint8) << 3)
-
-
-def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    # index_select rather than advanced indexing: on CPU the latter is ~1000x slower here,
-    # and GPTQ decodes one column per step.
-    table = E2M1_VALUES.to(codes.device)
-    return table.index_select(0, codes.flatten().int()).view(codes.shape)
 
 
 def _encode(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -172,7 +163,7 @@ def block_scales(
         return (values - groups).square().sum(dim=-1)
 
     m4 = group_sq_error(scale4) < group_sq_error(scale6)
-    return torch.where(m4, scale4, scale6), m4
+    return torch.where(m4, scale4.float(), scale6.float()).to(torch.float8_e4m3fn), m4
 
 
 def resolve_amax(w: torch.Tensor, global_amax: torch.Tensor | float | None) -> torch.Tensor:
@@ -202,10 +193,19 @@ def quantize_rtn(
     check_weight(w)
     amax = resolve_amax(w, global_amax)
     gscale = global_scale(amax, scale_rule)
-    scale, m4 = block_scales(w, gscale, scale_rule)
+    codes, scale, m4 = quantize_groups(w, gscale, scale_rule)
+    return NVFP4Tensor(codes, scale, gscale, m4)
+
+
+def quantize_groups(
+    x: torch.Tensor, gscale: torch.Tensor, scale_rule: str = "6"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., K], FP8 group scales and M=4 mask [..., K/16] of any tensor whose last dim
+    is cut into 16-groups, under a given global scale (weights here, K/V heads in sala/kv)."""
+    scale, m4 = block_scales(x, gscale, scale_rule)
     step = (scale.float() / gscale).unsqueeze(-1)
-    codes = _encode(w.float().unflatten(-1, (-1, GROUP_SIZE)), step)
-    return NVFP4Tensor(codes.flatten(-2), scale, gscale, m4)
+    codes = _encode(x.float().unflatten(-1, (-1, GROUP_SIZE)), step)
+    return codes.flatten(-2), scale, m4
 
 
 def dequantize(
@@ -215,8 +215,7 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """E2M1[code] * (scale / global), in fp32 like compressed-tensors, then cast to ``dtype``."""
-    step = (scale.float() / gscale.float()).repeat_interleave(GROUP_SIZE, dim=-1)
-    return (decode_e2m1(codes) * step).to(dtype)
+    return dequantize_fp4(codes, scale, gscale).to(dtype)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -224,8 +223,3 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd number of columns ({codes.shape[-1]})")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> uint8 [N, K] codes, inverse of ``pack_fp4``."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)

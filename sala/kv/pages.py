@@ -1,0 +1,83 @@
+"""One sparse layer's K or V pages in its format, and decode attention over them.
+
+`KVPages` holds `data` [pages, page_size, H, D or D/2] and, where the format keeps one per
+row, `scale` [pages, page_size, H(, D/16)]. Writes quantize with the codec's torch code; reads
+dequantize. Dense pages in the compute dtype take the exact paths the engine had before formats
+existed (the Triton decode kernel on CUDA). Quantized pages are dequantized per step into the
+compute dtype before the dense attention: correct on every device; a Triton kernel that
+dequantizes in registers is still to come (issue 9, item 2).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from sala.kv.formats import FP8, NVFP4, KVCodec
+
+
+class KVPages:
+    def __init__(self, codec: KVCodec, num_pages: int, page_size: int, n_kv: int, head_dim: int, device):
+        self.codec, self.n_kv, self.head_dim = codec, n_kv, head_dim
+        self.data = torch.zeros(num_pages, page_size, *codec.data_shape(n_kv, head_dim), dtype=codec.data_dtype(),
+                                device=device)
+        shape = codec.scale_shape(n_kv, head_dim)
+        self.scale = None if shape is None else torch.ones(num_pages, page_size, *shape, dtype=codec.scale_dtype(),
+                                                           device=device)
+        # Per-layer constants on the pool's device, once.
+        if isinstance(codec, FP8) and codec.head_scale is not None:
+            codec.head_scale = codec.head_scale.to(device)
+        if isinstance(codec, NVFP4):
+            codec.global_scale = codec.global_scale.to(device)
+
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, *t.shape[2:])
+
+    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """x [N, H, D] into pool rows (page * page_size + offset) `rows` [N]."""
+        data, scale = self.codec.encode(x)
+        _copy_rows(self._rows(self.data), rows, data)
+        if scale is not None:
+            _copy_rows(self._rows(self.scale), rows, scale)
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[N, H, D] dequantized values of pool rows `rows`."""
+        scale = None if self.scale is None else _select(self._rows(self.scale), rows)
+        return self.codec.decode(_select(self._rows(self.data), rows), scale, dtype)
+
+    def gather_pages(self, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[len(pages), page_size, H, D] dequantized."""
+        scale = None if self.scale is None else _select(self.scale, pages)
+        return self.codec.decode(_select(self.data, pages), scale, dtype)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.codec.decode(self.data, self.scale, dtype)
+
+
+def _copy_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    # FP8 tensors go through their bytes: CPU index_copy_ / index_select lack float8 kernels.
+    if dst.dtype.itemsize == 1:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, rows, src.to(dst.dtype))
+
+
+def _select(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if src.dtype.itemsize == 1:
+        return src.view(torch.uint8).index_select(0, index).view(src.dtype)
+    return src.index_select(0, index)
+
+
+def decode_attention(q, k: KVPages, v: KVPages, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """`paged_decode_attention` over pages in any format: q [B, Hq, D] -> [B, Hq, D]."""
+    if k.codec.lossless_for(q.dtype) and v.codec.lossless_for(q.dtype):
+        return paged_decode_attention(q, k.data, v.data, block_tables, context_lens, scale)
+    return decode_attention_reference(q, k, v, block_tables, context_lens, scale)
+
+
+def decode_attention_reference(q, k: KVPages, v: KVPages, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """Dequantize the batch's pages into q's dtype, then the dense reference over them."""
+    b = block_tables.shape[0]
+    pages = block_tables.reshape(-1).long()
+    kd, vd = k.gather_pages(pages, q.dtype), v.gather_pages(pages, q.dtype)
+    tables = torch.arange(pages.numel(), device=q.device).view(b, -1)
+    return paged_decode_attention_reference(q, kd, vd, tables, context_lens, scale)
