@@ -89,6 +89,21 @@ class EngineCollector:
                                   value=e.num_preemptions)
         yield GaugeMetricFamily("sala_kv_pages_free", "Free K/V cache pages", value=len(e.cache.free_pages))
         yield GaugeMetricFamily("sala_kv_pages", "K/V cache pages in all", value=e.cache.plan.num_pages)
+        if p := e.prefix:
+            yield CounterMetricFamily("sala_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                      value=p.num_queried_tokens)
+            yield CounterMetricFamily("sala_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache "
+                                      "(cached_tokens)", value=p.num_hit_tokens)
+            yield GaugeMetricFamily("sala_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens looked up",
+                                    value=p.hit_rate)
+            yield GaugeMetricFamily("sala_prefix_cache_pages", "K/V pages held by the prefix cache and no request",
+                                    value=p.num_evictable)
+            yield GaugeMetricFamily("sala_prefix_snapshot_bytes", "Memory holding lightning-state snapshots",
+                                    value=p.num_snapshots * p.snapshot_bytes)
+            yield GaugeMetricFamily("sala_prefix_snapshot_capacity_bytes", "The snapshots' budget",
+                                    value=p.max_snapshots * p.snapshot_bytes)
+            yield CounterMetricFamily("sala_prefix_cache_evicted_pages", "Cached pages taken back for new requests",
+                                      value=p.num_evicted_pages)
         finished = CounterMetricFamily("sala_finished_requests", "Finished requests by reason", labels=["reason"])
         for reason in ("stop", "length", "cancelled"):
             finished.add_metric([reason], e.num_finished[reason])
@@ -315,7 +330,7 @@ class SalaServer:
                     lp = completion_logprobs(self.text_of, out.logprobs, offset) if body.logprobs is not None else None
                     yield sse({**head, "choices": [{"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}]})
                 if for_usage:
-                    yield sse({**head, "choices": [], "usage": usage(choices, prompt_tokens)})
+                    yield sse({**head, "choices": [], "usage": usage(choices, prompt_tokens, body.n)})
 
             return self._stream(events())
         async for i, out in self._merged(streams, start):
@@ -323,7 +338,7 @@ class SalaServer:
         return JSONResponse({**head, "choices": [
             {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
              "logprobs": completion_logprobs(self.text_of, c.logprobs, 0) if body.logprobs is not None else None}
-            for c in choices], "usage": usage(choices, prompt_tokens)})
+            for c in choices], "usage": usage(choices, prompt_tokens, body.n)})
 
     async def _chat(self, body: ChatCompletionRequest) -> Response:
         start = time.perf_counter()
@@ -350,7 +365,7 @@ class SalaServer:
                     delta = {"content": out.text} if out.text or not out.finished else {}
                     yield sse({**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}]})
                 if body.stream_options and body.stream_options.include_usage:
-                    yield sse({**chunk, "choices": [], "usage": usage(choices, prompt_tokens)})
+                    yield sse({**chunk, "choices": [], "usage": usage(choices, prompt_tokens, body.n)})
 
             return self._stream(events())
         async for i, out in self._merged(streams, start):
@@ -358,7 +373,7 @@ class SalaServer:
         return JSONResponse({**head, "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
              "logprobs": chat_logprobs(self.text_of, c.logprobs) if top is not None else None}
-            for c in choices], "usage": usage(choices, prompt_tokens)})
+            for c in choices], "usage": usage(choices, prompt_tokens, body.n)})
 
     async def _generate(self, body: GenerateRequest) -> Response:
         start = time.perf_counter()
@@ -373,7 +388,7 @@ class SalaServer:
         def result(c: Choice) -> dict:
             s = streams[c.index]
             meta = {"id": s.request.request_id, "finish_reason": sglang_finish_reason(c), "prompt_tokens": c.num_prompt_tokens,
-                    "completion_tokens": len(c.token_ids), "cached_tokens": 0, "e2e_latency": time.perf_counter() - start}
+                    "completion_tokens": len(c.token_ids), "cached_tokens": c.num_cached_tokens, "e2e_latency": time.perf_counter() - start}
             if body.return_logprob:
                 with_text = body.return_text_in_logprobs
                 meta["output_token_logprobs"], meta["output_top_logprobs"] = sglang_logprobs(self.text_of, c.logprobs, with_text)
@@ -436,6 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deterministic", action="store_true",
                     help="evaluation mode: a request's logprobs are bitwise identical whatever else is in the batch; "
                          "costs throughput")
+    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="compute every prompt in full instead of reusing cached prefixes (K/V pages, lightning-state snapshots)")
     ap.add_argument("--num-threads", type=int, help="torch threads in the replica (default: torch's choice)")
     ap.add_argument("--max-tokens-limit", type=int, default=1024,
                     help="largest max_tokens a request may ask for (default: %(default)s)")
@@ -466,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                        deterministic=args.deterministic, num_threads=args.num_threads, max_tokens_limit=args.max_tokens_limit),
+                        deterministic=args.deterministic, num_threads=args.num_threads, max_tokens_limit=args.max_tokens_limit,
+                        prefix_cache=args.prefix_cache),
               name="sala", route_prefix="/")
     stop_cmd = "serve shutdown -y"
     if ctx.dashboard_url and ctx.dashboard_url.rsplit(":", 1)[-1] != "8265":

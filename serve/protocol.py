@@ -182,6 +182,7 @@ class Choice:
 
     index: int
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -190,6 +191,7 @@ class Choice:
 
     def add(self, out: RequestOutput) -> None:
         self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -197,9 +199,12 @@ class Choice:
         self.finish_reason = out.finish_reason
 
 
-def usage(choices: list[Choice], prompt_tokens: int) -> dict:
+def usage(choices: list[Choice], prompt_tokens: int, n: int = 1) -> dict:
+    """OpenAI's usage; cached_tokens counts each prompt once (its first choice's), like prompt_tokens."""
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = sum(c.num_cached_tokens for c in choices[::n])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class TokenText:

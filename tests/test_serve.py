@@ -222,6 +222,27 @@ BAD_REQUESTS = [
 ]
 
 
+def test_cached_prompt_tokens_are_reported(client, http, server, local_engine):
+    """A second request over the same 600-token prefix resumes from the snapshot at 512: usage's
+    prompt_tokens_details.cached_tokens, /generate's meta_info.cached_tokens and /metrics say
+    so, and the output is the engine's (which computes the whole prompt)."""
+    doc = (local_engine.encode("The json module encodes and decodes JSON documents.") * 60)[:600]
+    hits = ("sala_prefix_cache_hit_tokens_total", ())
+    before = metric_samples(server)[hits]
+    first = client.completions.create(model=MODEL, prompt=doc + [11, 12], max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=MODEL, prompt=doc + [13, 14, 15], max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 512
+    assert second.choices[0].text == greedy_text(local_engine, doc + [13, 14, 15], 4).text
+    r = http.post("/generate", json={"input_ids": doc + [16], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert r.json()["meta_info"]["cached_tokens"] == 512
+    assert r.json()["output_ids"] == greedy_text(local_engine, doc + [16], 4).token_ids
+    samples = metric_samples(server)
+    assert samples[hits] == before + 1024
+    assert 0 < samples[("sala_prefix_cache_hit_rate", ())] <= 1
+    assert samples[("sala_prefix_snapshot_bytes", ())] > 0
+
+
 @pytest.mark.parametrize("endpoint,body,headers,status,param", BAD_REQUESTS,
                          ids=[f"{s}-{p or i}" for i, (_, _, _, s, p) in enumerate(BAD_REQUESTS)])
 def test_bad_requests_get_openai_style_errors(http, endpoint, body, headers, status, param):

@@ -99,6 +99,7 @@ class CachePool:
         self.scratch_page, self.scratch_slot = plan.num_pages, plan.max_seqs
         self.free_pages = list(range(plan.num_pages - 1, -1, -1))
         self.free_state_slots = list(range(plan.max_seqs - 1, -1, -1))
+        self.prefix = None  # a PrefixCache (sala/engine/prefix.py): pages it caches count as free, taken back on demand
 
     @property
     def max_tokens(self) -> int:
@@ -107,8 +108,13 @@ class CachePool:
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages plus cached ones no request holds (the prefix cache gives those back when asked)."""
+        return len(self.free_pages) + (self.prefix.num_evictable if self.prefix else 0)
+
     def can_admit(self, n_tokens: int) -> bool:
-        return bool(self.free_state_slots) and len(self.free_pages) >= self.pages_for(n_tokens)
+        return bool(self.free_state_slots) and self.num_free_pages >= self.pages_for(n_tokens)
 
     def admit(self, req: Request) -> None:
         """A state slot, zeroed so that a prompt starts from the empty state."""
@@ -119,18 +125,29 @@ class CachePool:
     def grow(self, req: Request, n_tokens: int) -> bool:
         """Pages for positions 0 .. n_tokens - 1; False (and nothing taken) if too few are free."""
         need = self.pages_for(n_tokens) - len(req.pages)
-        if need > len(self.free_pages):
+        if need > self.num_free_pages:
             return False
+        if need > len(self.free_pages):
+            self.prefix.evict(need - len(self.free_pages))
         if need > 0:
             req.pages += [self.free_pages.pop() for _ in range(need)]
             req.page_table = torch.tensor(req.pages, device=self.device)
         return True
 
     def free(self, req: Request) -> None:
+        if self.prefix:
+            self.prefix.release(req)  # its shared pages stay cached; the rest are freed here
         self.free_pages.extend(reversed(req.pages))
         if req.state_slot >= 0:
             self.free_state_slots.append(req.state_slot)
         req.pages, req.page_table, req.state_slot = [], None, -1
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page dst's K/V := page src's, in every sparse layer (a prefix tail copied for a new request)."""
+        for pages in (*self.k.values(), *self.v.values()):
+            for t in (pages.data, pages.scale):  # the stored format as it is: codes and their scales
+                if t is not None:
+                    t[dst].copy_(t[src])
 
     def rows(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Pool rows (page * page_size + offset) of positions start .. end - 1."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import threading
@@ -27,6 +28,7 @@ from sala import lightning
 from sala.engine.cache import CacheFull, CachePool, full_request_kv_bytes, kv_bytes_per_token, plan_memory, state_bytes_per_seq
 from sala.engine.detokenizer import IncrementalDetokenizer
 from sala.engine.params import InvalidParam, SamplingParams
+from sala.engine.prefix import PrefixCache
 from sala.engine.request import Completion, Request, RequestOutput, TokenLogprob
 from sala.engine.runner import ModelRunner
 from sala.engine.sampling import sample, token_logprobs
@@ -66,12 +68,18 @@ class Engine:
     - kv_plan: the cache plan (sala/kv/plan.py; a KVPlan, its JSON dict, or a kv_plan.json path):
       each sparse layer's K/V format and each lightning layer's state dtype. Default: K/V in the
       model's dtype, fp32 states; from_pretrained picks up the checkpoint's kv_plan.json.
+    - prefix_cache: reuse the K/V pages and lightning states of shared prefixes
+      (sala/engine/prefix.py); outputs are unchanged (bitwise in the evaluation mode).
+      prefix_snapshot_interval: tokens between state snapshots (a multiple of the page size and
+      of lightning.CHUNK_SIZE); prefix_snapshot_bytes: the snapshots' own budget (default an
+      eighth of memory_bytes; on CUDA taken out of the default budget, on CPU on top of it).
     """
 
     def __init__(self, model, tokenizer, *, memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None, max_model_len: int | None = None,
                  max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = False, compile: bool = True,
-                 kv_plan=None):
+                 kv_plan=None, prefix_cache: bool = True, prefix_snapshot_interval: int = 512,
+                 prefix_snapshot_bytes: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.config = config = model.config
         param = next(model.parameters())
@@ -82,17 +90,28 @@ class Engine:
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         cuda = self.device.type == "cuda"
         max_seqs = max_seqs or (256 if cuda else 32)
+        unit = math.lcm(page_size, lightning.CHUNK_SIZE)
+        if prefix_cache and (prefix_snapshot_interval <= 0 or prefix_snapshot_interval % unit):
+            raise ValueError(f"prefix_snapshot_interval={prefix_snapshot_interval} must be a positive multiple of {unit} "
+                             f"(the page size {page_size} and the lightning chunk {lightning.CHUNK_SIZE})")
         # Checked against the model before anything is allocated: a bad plan fails at start-up.
         self.kv_plan = default_plan(config, param.dtype) if kv_plan is None else load_plan(kv_plan, config)
-        if memory_bytes is None:
+        default_budget = memory_bytes is None
+        if default_budget:
             memory_bytes = _default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len, page_size,
                                            self.kv_plan)
+        if prefix_cache and prefix_snapshot_bytes is None:
+            prefix_snapshot_bytes = memory_bytes // 8
+            if default_budget and cuda:
+                memory_bytes -= prefix_snapshot_bytes
         plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, self.kv_plan)
         log.info("%s; %s", plan.describe(), self.kv_plan.describe())
         self.cache = CachePool(config, plan, self.kv_plan, self.device)
+        self.prefix = PrefixCache(self.cache, config, prefix_snapshot_interval, prefix_snapshot_bytes, exact=batch_invariant) \
+            if prefix_cache else None
         granule = lightning.CHUNK_SIZE if batch_invariant else 1
         max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule)
-        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule)
+        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule, self.prefix)
         self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs)
         self.eos_ids = stop_token_ids(model, tokenizer)
         dense_len = config.sparse_config["dense_len"]
@@ -186,6 +205,8 @@ class Engine:
             r.num_computed += 1
         for r, _, end in sched.prefills:
             r.num_computed = end
+        if self.prefix:  # before a request can finish and give its pages back
+            self.prefix.after_step(sched.decodes + [r for r, _, _ in sched.prefills])
         n = len(step.sampled)
         if step.prompt_targets:
             scored = token_logprobs(logits[n:], [t for _, t in step.prompt_targets],
@@ -223,7 +244,7 @@ class Engine:
         first = len(r.output_ids) == 1 and bool(tokens)
         r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],
                                   r.prompt_logprobs if first else [], reason is not None, reason,
-                                  len(r.prompt_ids), len(r.output_ids)))
+                                  len(r.prompt_ids), len(r.output_ids), r.cached_prompt_tokens))
 
     def fail_all(self) -> list[Request]:
         """After a step raised: drop every request (their cache contents are not trustworthy)."""

@@ -34,6 +34,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (eos, stop token or string), "length", "cancelled"
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Completion:
     finish_reason: str
     time_to_first_token_s: float
     latency_s: float
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 # eq=False: a request is itself, not its fields. The scheduler's `in` and `remove` over its
@@ -65,6 +67,8 @@ class Request:
     pages: list[int] = field(default_factory=list)  # K/V pool pages, allocated as the sequence grows
     page_table: torch.Tensor | None = None  # `pages` on the cache's device
     state_slot: int = -1
+    prefix_chain: list = field(default_factory=list)  # prefix-cache nodes of pages[:len(prefix_chain)] (sala/engine/prefix.py)
+    num_cached_tokens: int | None = None  # tokens resumed from the prefix cache at first admission
     prompt_logprobs_next: int | None = None  # next prompt position whose logits score the following token
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -104,4 +108,9 @@ class Request:
         now = time.perf_counter()
         first = self.first_token_at or now
         return Completion(self.request_id, self.prompt_ids, self.output_ids, self.detokenizer.text, self.logprobs,
-                          self.prompt_logprobs, self.finish_reason, first - self.arrival, now - self.arrival)
+                          self.prompt_logprobs, self.finish_reason, first - self.arrival, now - self.arrival,
+                          self.cached_prompt_tokens)
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return min(self.num_cached_tokens or 0, len(self.prompt_ids))

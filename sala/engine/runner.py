@@ -131,7 +131,7 @@ class ModelRunner:
         if logit_rows is not None:
             n = len(logit_rows)
             pad = -n % INVARIANT_ROWS if self.batch_invariant else 0
-            hidden = hidden[torch.tensor(logit_rows + [0] * pad, device=self.device)]
+            hidden = hidden[torch.tensor(logit_rows + [0] * pad, dtype=torch.long, device=self.device)]  # may be empty
             return self.model.logits(hidden)[:n]
         return self.model.logits(hidden)
 

@@ -12,6 +12,10 @@ most recently admitted request is preempted: its pages and state slot are freed 
 back to the front of the queue, to recompute its prompt and the tokens it already generated
 (a lightning state cannot be rebuilt any other way) and continue exactly where it was.
 
+With a prefix cache (sala/engine/prefix.py) a waiting request is admitted from the deepest
+snapshot it matches, and a chunk never runs past the next snapshot interval, so that the
+lightning state there exists to be snapshotted. Cached pages count as free.
+
 In the batch-invariant mode a chunk ends only at a multiple of `granule` (or at the end of
 the tokens), so where a prompt is cut never depends on the load.
 
@@ -26,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sala.engine.cache import CacheFull, CachePool
+from sala.engine.prefix import PrefixCache
 from sala.engine.request import Request
 
 
@@ -44,11 +49,12 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, cache: CachePool, max_batch_tokens: int, max_seqs: int, max_waiting: int, granule: int = 1):
+    def __init__(self, cache: CachePool, max_batch_tokens: int, max_seqs: int, max_waiting: int, granule: int = 1,
+                 prefix: PrefixCache | None = None):
         if max_batch_tokens < max_seqs + granule - 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least max_seqs={max_seqs}"
                              + (f" + {granule - 1} (one prefill granule)" if granule > 1 else ""))
-        self.cache = cache
+        self.cache, self.prefix = cache, prefix
         self.max_batch_tokens, self.max_seqs, self.max_waiting, self.granule = max_batch_tokens, max_seqs, max_waiting, granule
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -88,7 +94,7 @@ class Scheduler:
         for r in self.running:
             if r.prefilling and budget > 0:
                 # Prompt chunks take only free pages: preempting here could evict a request already scheduled.
-                room = (len(r.pages) + len(self.cache.free_pages)) * self.cache.page_size - r.num_computed
+                room = (len(r.pages) + self.cache.num_free_pages) * self.cache.page_size - r.num_computed
                 end = self._chunk_end(r, min(budget, room))
                 if end > r.num_computed:
                     self.cache.grow(r, end)
@@ -98,11 +104,16 @@ class Scheduler:
             passed_over = deque()
             while budget > 0 and self.waiting and len(self.running) < self.max_seqs:
                 r = self.waiting.popleft()
+                hit = self.prefix.match(r) if self.prefix else None
+                r.num_computed = hit.length if hit else 0
                 end = self._chunk_end(r, budget)
-                if end == 0 or not self.cache.can_admit(end):
+                if end == r.num_computed or not (self.prefix.can_admit(hit, end) if hit else self.cache.can_admit(end)):
+                    r.num_computed = 0
                     passed_over.append(r)
                     continue
                 self.cache.admit(r)
+                if self.prefix:
+                    self.prefix.admit(r, hit)
                 self.cache.grow(r, end)
                 self.running.append(r)
                 batch.prefills.append((r, r.num_computed, end))
@@ -117,6 +128,8 @@ class Scheduler:
     def _chunk_end(self, r: Request, budget: int) -> int:
         total = r.num_tokens
         end = min(total, r.num_computed + budget)
+        if self.prefix:  # stop at the next snapshot position
+            end = min(end, (r.num_computed // self.prefix.interval + 1) * self.prefix.interval)
         if end < total:
             end -= end % self.granule
         return max(end, r.num_computed)
