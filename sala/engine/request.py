@@ -34,6 +34,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (eos, stop token or string), "length", "cancelled"
     num_prompt_tokens: int
     num_output_tokens: int
+    matched: int | str | None = None  # what ended a "stop": the stop string, or the token id (eos or a stop token)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Completion:
     finish_reason: str
     time_to_first_token_s: float
     latency_s: float
+    matched: int | str | None = None  # as RequestOutput.matched
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
     finish_reason: str | None = None
+    matched: int | str | None = None  # the stop string or token id that ended it
     cancelled: bool = False
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -102,4 +105,4 @@ class Request:
         now = time.perf_counter()
         first = self.first_token_at or now
         return Completion(self.request_id, self.prompt_ids, self.output_ids, self.detokenizer.text, self.logprobs,
-                          self.prompt_logprobs, self.finish_reason, first - self.arrival, now - self.arrival)
+                          self.prompt_logprobs, self.finish_reason, first - self.arrival, now - self.arrival, self.matched)
