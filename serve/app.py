@@ -166,6 +166,7 @@ class SalaServer:
     # ---- plumbing shared by the endpoints -------------------------------------------------
 
     async def _handle(self, endpoint: str, request: Request, body_cls, handler: Callable) -> Response:
+        body = None
         try:
             # As bytes: a header holding non-ASCII (the server sees it as latin-1) is a wrong key, not a crash.
             given = request.headers.get("authorization", "").encode("latin-1")
@@ -176,7 +177,10 @@ class SalaServer:
         except ValidationError as e:
             response = self._error(schema_error(e))
         except InvalidParam as e:
-            response = self._error(APIError(400, str(e), param=PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)))
+            param = PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)
+            if param == "text" and isinstance(body, GenerateRequest) and body.text is None:
+                param = "input_ids"
+            response = self._error(APIError(400, str(e), param=param))
         except QueueFull as e:
             response = self._error(APIError(503, f"server busy: {e}", "server_error", code="queue_full", headers={"Retry-After": "1"}))
         except APIError as e:

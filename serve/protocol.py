@@ -244,8 +244,9 @@ class AbortRequest(_Body):
 
 # Where each SamplingParams field lives in each endpoint's body, for error messages.
 PARAM_NAMES = {
-    "chat": {"logprobs": "top_logprobs"},
+    "chat": {"logprobs": "top_logprobs", "prompt": "messages"},
     "generate": {"max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
+                 "n": "sampling_params.n", "seed": "sampling_params.sampling_seed",
                  "logprobs": "top_logprobs_num", "prompt_logprobs_start": "logprob_start_len", "prompt": "text",
                  **{f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
                                                         "repetition_penalty", "presence_penalty", "frequency_penalty",

@@ -235,6 +235,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, {}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, {}, 400, "messages.0.name"),
     ("/abort_request", {}, {}, 400, "rid"),
+    ("/v1/completions", {"prompt": "lone \ud800 surrogate"}, {}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, {}, 400, "messages"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, {}, 400, "sampling_params.max_new_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer clé".encode()}, 401, None),

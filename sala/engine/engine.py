@@ -125,6 +125,10 @@ class Engine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode()
+            except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
+                raise InvalidParam("prompt", f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
             return self.tokenizer(prompt)["input_ids"]
         if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
             raise InvalidParam("prompt", f"token ids must be integers in [0, {self.config.vocab_size})")
