@@ -7,7 +7,8 @@ One deployment holds one engine and its FastAPI ingress, so tokens go from the e
 thread to the HTTP stream without crossing processes. Endpoints: /v1/models,
 /v1/completions, /v1/chat/completions, /generate, /abort_request, /get_model_info,
 /get_server_info (SGLang's), /health and /metrics (Prometheus).
-With SALA_API_KEY set (or `api_key=`), /v1/* and /generate need `Authorization: Bearer KEY`.
+With SALA_API_KEY set (or `api_key=`), every endpoint but /health and /metrics needs
+`Authorization: Bearer KEY`.
 The served model is named after the checkpoint (the registered model, or the directory) unless
 `served_model_name` gives one or more names; a request may name any of them, or none.
 A client that goes away mid-request cancels its engine requests, which frees their cache.

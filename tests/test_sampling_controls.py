@@ -93,6 +93,7 @@ def test_adjust_logits_matches_the_per_request_reference():
     reqs = [fake_request(rng.integers(0, vocab, size=rng.integers(1, 12)).tolist(),
                          rng.integers(0, vocab, size=rng.integers(0 if i == 1 else 4, 10)).tolist(), p)
             for i, p in enumerate(cases)]
+    reqs[3].output_ids, reqs[4].output_ids = [5, 5, 5, 9, 9, 1], [2, 2, 3]  # repeats: frequency counts each one
     logits = torch.from_numpy(rng.normal(size=(len(cases), vocab)).astype(np.float32) * 3)
     before = logits.clone()
     got = adjust_logits(logits, reqs, EOS)
