@@ -76,7 +76,8 @@ def fake_request(prompt, output, params) -> Request:
     return r
 
 
-def test_adjust_logits_matches_the_per_request_reference():
+def control_cases():
+    """Requests with every control, alone and mixed, and none; random logits for them."""
     rng = np.random.default_rng(0)
     vocab = 40
     cases = [
@@ -95,6 +96,11 @@ def test_adjust_logits_matches_the_per_request_reference():
             for i, p in enumerate(cases)]
     reqs[3].output_ids, reqs[4].output_ids = [5, 5, 5, 9, 9, 1], [2, 2, 3]  # repeats: frequency counts each one
     logits = torch.from_numpy(rng.normal(size=(len(cases), vocab)).astype(np.float32) * 3)
+    return cases, reqs, logits
+
+
+def test_adjust_logits_matches_the_per_request_reference():
+    cases, reqs, logits = control_cases()
     before = logits.clone()
     got = adjust_logits(logits, reqs, EOS)
     assert torch.equal(logits, before), "the caller's logits (for the reported logprobs) must not change"
@@ -103,6 +109,19 @@ def test_adjust_logits_matches_the_per_request_reference():
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-5, msg=f"row {i}: {p}")
     assert torch.equal(got[0], logits[0]) and torch.equal(got[-1], logits[-1])
     assert adjust_logits(logits, [reqs[0], reqs[-1]], EOS) is logits  # nothing to do: not even a copy
+
+
+@pytest.mark.gpu
+def test_controls_and_seeded_draws_on_cuda_match_cpu():
+    """The adjustment runs on the logits' device; the same seeds draw the same tokens there."""
+    cases, reqs, logits = control_cases()
+    torch.testing.assert_close(adjust_logits(logits.cuda(), reqs, EOS).cpu(), adjust_logits(logits, reqs, EOS))
+    for r in reqs:
+        r.generator = torch.Generator().manual_seed(11)
+    cpu = sample(logits, reqs, EOS)
+    for r in reqs:
+        r.generator = torch.Generator().manual_seed(11)
+    assert sample(logits.cuda(), reqs, EOS) == cpu
 
 
 def test_min_p_matches_a_numpy_reference():
