@@ -28,8 +28,8 @@ import time
 from collections import Counter
 
 import httpx
+from http_load import free_port, replica_rss  # bench/ is this script's sys.path[0]
 
-from bench.http_load import free_port, replica_rss
 from sala.tiny import ensure_tiny_sala, heldout_texts
 
 API_KEY = "soak-key"
