@@ -196,6 +196,14 @@ class GenerateStage:
 
 
 # ----------------------------------------------------------------------------- main
+def logit_bias_entry(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}") from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pipelines/generate.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
@@ -213,6 +221,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0 = off)")
     ap.add_argument("--seed", type=int, help="sampling seed (each row draws from its own seeded generator)")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the most likely")
+    ap.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before eos or a stop")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="> 1 discourages tokens of the prompt and the output so far (1 = off)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from tokens already generated, [-2, 2]")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence in the output, [-2, 2]")
+    ap.add_argument("--logit-bias", action="append", default=[], type=logit_bias_entry, metavar="TOKEN_ID=BIAS",
+                    help="add BIAS in [-100, 100] to a token's logit (repeatable; -100 bans it)")
+    ap.add_argument("--no-stop-trim", action="store_true", help="keep the matched stop string at the end of the text")
+    ap.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the generated text")
     ap.add_argument("--logprobs", type=int, help="store each token's logprob and this many alternatives (0-256)")
     ap.add_argument("--replicas", type=int, default=1, help="engine actors")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor")
@@ -249,9 +267,13 @@ def main(argv=None) -> int:
     output = Path(args.output).expanduser().absolute()
     column = args.messages_column or args.prompt_column
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed, stop=args.stop)
+                    seed=args.seed, stop=args.stop, min_p=args.min_p, min_tokens=args.min_tokens,
+                    repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                    frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
+                    no_stop_trim=args.no_stop_trim, skip_special_tokens=not args.keep_special_tokens)
     try:
-        SamplingParams(**sampling, logprobs=args.logprobs).validate(vocab_size=1)  # no stop_token_ids flag: any size
+        # The vocabulary is the model's, known in the actors (which check logit_bias ids row by row).
+        SamplingParams(**sampling, logprobs=args.logprobs).validate(vocab_size=sys.maxsize)
         if not os.environ.get("RAY_ADDRESS"):  # a local Ray has this machine's GPUs or none; a cluster may add GPU nodes
             gpu_device(args.num_gpus)
         if output.exists() and not args.overwrite:

@@ -5,8 +5,10 @@
 
 One deployment holds one engine and its FastAPI ingress, so tokens go from the engine's step
 thread to the HTTP stream without crossing processes. Endpoints: /v1/models,
-/v1/completions, /v1/chat/completions, /generate, /health and /metrics (Prometheus).
-With SALA_API_KEY set (or `api_key=`), /v1/* and /generate need `Authorization: Bearer KEY`.
+/v1/completions, /v1/chat/completions, /generate, /abort_request, /get_model_info,
+/get_server_info (SGLang's), /health and /metrics (Prometheus).
+With SALA_API_KEY set (or `api_key=`), every endpoint but /health and /metrics needs
+`Authorization: Bearer KEY`.
 The served model is named after the checkpoint (the registered model, or the directory) unless
 `served_model_name` gives one or more names; a request may name any of them, or none.
 A client that goes away mid-request cancels its engine requests, which frees their cache.
@@ -29,18 +31,21 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import RayServeException
+from starlette.exceptions import HTTPException
 
 from registry.models import model_name, resolve_model_path
 from sala.checkpoint import DeviceUnavailable, gpu_device
 from sala.engine import AsyncEngine, Engine, InvalidParam, QueueFull, RequestOutput, RequestStream, SamplingParams
 from serve.protocol import (
     PARAM_NAMES,
+    AbortRequest,
     APIError,
     ChatCompletionRequest,
     Choice,
@@ -110,6 +115,14 @@ class EngineCollector:
         yield finished
 
 
+@api.exception_handler(HTTPException)
+async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """Routing errors (an unknown path, a wrong method) in the same JSON shape as every other error."""
+    message = {404: f"no such endpoint: {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return JSONResponse({"error": {"message": message.get(e.status_code, str(e.detail)), "type": "invalid_request_error",
+                                   "param": None, "code": None}}, e.status_code, headers=getattr(e, "headers", None))
+
+
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -156,6 +169,7 @@ class SalaServer:
         # As vLLM's --served-model-name: requests may use any of the names, responses carry the one asked for.
         self.names = served_names(served_model_name) or [model_name(model, path)]
         self.api_key = api_key or None
+        self.model_path, self.deterministic = str(path), deterministic
         self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
         self.max_model_len = self.engine.engine.max_model_len
         self.metrics = Metrics(self.engine.engine)
@@ -167,15 +181,21 @@ class SalaServer:
     # ---- plumbing shared by the endpoints -------------------------------------------------
 
     async def _handle(self, endpoint: str, request: Request, body_cls, handler: Callable) -> Response:
+        body = None
         try:
-            if self.api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {self.api_key}"):
+            # As bytes: a header holding non-ASCII (the server sees it as latin-1) is a wrong key, not a crash.
+            given = request.headers.get("authorization", "").encode("latin-1")
+            if self.api_key and not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
             body = body_cls.model_validate(await self._json(request)) if body_cls else None
             response = await handler(body)
         except ValidationError as e:
             response = self._error(schema_error(e))
         except InvalidParam as e:
-            response = self._error(APIError(400, str(e), param=PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)))
+            param = PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)
+            if param == "text" and isinstance(body, GenerateRequest) and body.text is None:
+                param = "input_ids"
+            response = self._error(APIError(400, str(e), param=param))
         except QueueFull as e:
             response = self._error(APIError(503, f"server busy: {e}", "server_error", code="queue_full", headers={"Retry-After": "1"}))
         except APIError as e:
@@ -192,7 +212,8 @@ class SalaServer:
 
     async def _json(self, request: Request):
         too_large = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
-        if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
+        length = request.headers.get("content-length") or "0"
+        if length.isdigit() and int(length) > self.max_body_bytes:
             raise too_large
         body = b""
         async for chunk in request.stream():
@@ -201,7 +222,7 @@ class SalaServer:
                 raise too_large
         try:
             return json.loads(body)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
             raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
     def _check_model(self, model: str | None) -> str:
@@ -220,18 +241,23 @@ class SalaServer:
             raise InvalidParam(param, f"{param}={requested} exceeds this server's limit of {self.max_tokens_limit}")
         return requested
 
-    def _submit(self, prompts: list[str | list[int]], n: int, params_for: Callable[[list[int]], SamplingParams]) -> list[RequestStream]:
-        """Queue n requests per prompt (seeded choices get seed + j); all or none."""
+    def _submit(self, prompts: list[str | list[int]], n: int, params_for: Callable[[list[int]], SamplingParams],
+                rids: list[str] | None = None) -> list[RequestStream]:
+        """Queue n requests per prompt (seeded choices get seed + j); all or none. With rids (one per
+        prompt), choice j of prompt i has request id rids[i] (n = 1) or f"{rids[i]}-{j}"."""
         if not 1 <= n <= MAX_N:
             raise InvalidParam("n", f"n must be between 1 and {MAX_N}, got {n}")
+        ids_of = [[rid if n == 1 else f"{rid}-{j}" for j in range(n)] for rid in rids] if rids else None
+        if busy := [i for group in ids_of or [] for i in group if i in self.engine.streams]:
+            raise InvalidParam("rid", f"rid {busy[0]!r} belongs to a request still running")
         streams: list[RequestStream] = []
         try:
-            for prompt in prompts:
+            for k, prompt in enumerate(prompts):
                 ids = self.engine.engine.encode(prompt)
                 params = params_for(ids)
                 for j in range(n):
                     seeded = replace(params, seed=params.seed + j) if params.seed is not None else params
-                    streams.append(self.engine.submit(ids, seeded))
+                    streams.append(self.engine.submit(ids, seeded, ids_of[k][j] if ids_of else None))
         except BaseException:
             for s in streams:
                 s.cancel()
@@ -268,6 +294,10 @@ class SalaServer:
                 t.cancel()
             for s in streams:
                 s.cancel()
+
+    @staticmethod
+    def _choices(streams: list[RequestStream]) -> list[Choice]:
+        return [Choice(i, stop_token_ids=tuple(s.request.params.stop_token_ids)) for i, s in enumerate(streams)]
 
     def _stream(self, events: AsyncIterator[str]) -> StreamingResponse:
         async def body():
@@ -312,15 +342,60 @@ class SalaServer:
     async def generate(self, request: Request) -> Response:
         return await self._handle("generate", request, GenerateRequest, self._generate)
 
+    @api.post("/abort_request")
+    async def abort_request(self, request: Request) -> Response:
+        return await self._handle("abort", request, AbortRequest, self._abort)
+
+    @api.get("/get_model_info")
+    async def get_model_info(self, request: Request) -> Response:
+        async def handler(_):
+            return JSONResponse({"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                                 "served_model_names": self.names, "max_model_len": self.max_model_len,
+                                 "vocab_size": self.engine.engine.config.vocab_size})
+
+        return await self._handle("model_info", request, None, handler)
+
+    @api.get("/get_server_info")
+    async def get_server_info(self, request: Request) -> Response:
+        async def handler(_):
+            e = self.engine.engine
+            plan = e.cache.plan
+            return JSONResponse({
+                "model_path": self.model_path, "served_model_names": self.names, "device": str(e.device),
+                "max_model_len": self.max_model_len, "max_running_requests": plan.max_seqs,
+                "max_total_num_tokens": plan.max_kv_tokens, "page_size": plan.page_size,
+                "chunked_prefill_size": e.scheduler.max_batch_tokens, "max_queued_requests": e.scheduler.max_waiting,
+                "max_tokens_limit": self.max_tokens_limit, "max_body_bytes": self.max_body_bytes, "max_n": MAX_N,
+                "deterministic": self.deterministic, "compiled_decode": e.runner.fast_decode is not None,
+                "api_key_required": self.api_key is not None,
+                "running_requests": len(e.scheduler.running), "queued_requests": e.scheduler.num_waiting})
+
+        return await self._handle("server_info", request, None, handler)
+
+    async def _abort(self, body: AbortRequest) -> Response:
+        if body.abort_all:
+            ids = list(self.engine.streams)
+        elif body.rid:
+            ids = [body.rid, *(f"{body.rid}-{j}" for j in range(MAX_N))]  # and its choices, when n > 1
+        else:
+            raise InvalidParam("rid", "give the rid to abort, or abort_all: true")
+        return JSONResponse({"aborted": [i for i in ids if self.engine.abort(i)]})
+
+    def _log_user(self, rid: str, user: str | None) -> None:
+        if user is not None:  # OpenAI's `user`: who asked, for abuse monitoring
+            log.info("%s for user %r", rid, user)
+
     async def _completions(self, body: CompletionRequest) -> Response:
         start = time.perf_counter()
         name = self._check_model(body.model)
         prompts = body.prompts()
-        streams = self._submit(prompts, body.n, lambda ids: body.sampling(self._max_tokens(body.max_tokens, 16, len(ids)), body.logprobs))
+        n = body.choices_per_prompt
+        streams = self._submit(prompts, n, lambda ids: body.sampling(self._max_tokens(body.max_tokens, 16, len(ids)), body.logprobs))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self._log_user(rid, body.user)
         head = {"id": rid, "object": "text_completion", "created": created, "model": name}
-        choices = [Choice(i) for i in range(len(streams))]
-        prompt_tokens = sum(s.num_prompt_tokens for s in streams[:: body.n])  # each prompt once, whatever n (as OpenAI)
+        choices = self._choices(streams)
+        prompt_tokens = sum(s.num_prompt_tokens for s in streams[::n])  # each prompt once, whatever n (as OpenAI)
         if body.stream:
             async def events():
                 for_usage = body.stream_options and body.stream_options.include_usage
@@ -328,7 +403,8 @@ class SalaServer:
                     offset = len(choices[i].text)
                     choices[i].add(out)
                     lp = completion_logprobs(self.text_of, out.logprobs, offset) if body.logprobs is not None else None
-                    yield sse({**head, "choices": [{"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}]})
+                    yield sse({**head, "choices": [{"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
+                                                    "stop_reason": choices[i].stop_reason}]})
                 if for_usage:
                     yield sse({**head, "choices": [], "usage": usage(choices, prompt_tokens, body.n)})
 
@@ -336,22 +412,28 @@ class SalaServer:
         async for i, out in self._merged(streams, start):
             choices[i].add(out)
         return JSONResponse({**head, "choices": [
-            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
              "logprobs": completion_logprobs(self.text_of, c.logprobs, 0) if body.logprobs is not None else None}
             for c in choices], "usage": usage(choices, prompt_tokens, body.n)})
 
     async def _chat(self, body: ChatCompletionRequest) -> Response:
         start = time.perf_counter()
         name = self._check_model(body.model)
+        body.refuse_not_implemented()
         top = body.top_k_logprobs()
-        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                  tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+                                                      tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:  # a template that refuses these messages (raise_exception), e.g. roles out of order
+            raise InvalidParam("messages", f"the chat template refused the messages: {e}") from None
         requested, param = (body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None \
             else (body.max_tokens, "max_tokens")
-        streams = self._submit([text], body.n, lambda ids: body.sampling(self._max_tokens(requested, None, len(ids), param), top))
+        streams = self._submit([text], body.choices_per_prompt,
+                               lambda ids: body.sampling(self._max_tokens(requested, None, len(ids), param), top))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self._log_user(rid, body.user)
         head = {"id": rid, "object": "chat.completion", "created": created, "model": name}
-        choices = [Choice(i) for i in range(len(streams))]
+        choices = self._choices(streams)
         prompt_tokens = streams[0].num_prompt_tokens
         if body.stream:
             async def events():
@@ -363,7 +445,8 @@ class SalaServer:
                     choices[i].add(out)
                     lp = chat_logprobs(self.text_of, out.logprobs) if top is not None else None
                     delta = {"content": out.text} if out.text or not out.finished else {}
-                    yield sse({**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}]})
+                    yield sse({**chunk, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason,
+                                                     "stop_reason": choices[i].stop_reason}]})
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse({**chunk, "choices": [], "usage": usage(choices, prompt_tokens, body.n)})
 
@@ -372,6 +455,7 @@ class SalaServer:
             choices[i].add(out)
         return JSONResponse({**head, "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+             "stop_reason": c.stop_reason,
              "logprobs": chat_logprobs(self.text_of, c.logprobs) if top is not None else None}
             for c in choices], "usage": usage(choices, prompt_tokens, body.n)})
 
@@ -381,8 +465,8 @@ class SalaServer:
         params = body.sampling()
         if params.max_tokens > self.max_tokens_limit:
             raise InvalidParam("max_tokens", f"max_new_tokens={params.max_tokens} exceeds this server's limit of {self.max_tokens_limit}")
-        streams = self._submit(prompts, body.sampling_params.n, lambda ids: params)
-        choices = [Choice(i) for i in range(len(streams))]
+        streams = self._submit(prompts, body.sampling_params.n, lambda ids: params, body.rids(len(prompts)))
+        choices = self._choices(streams)
         single = len(streams) == 1
 
         def result(c: Choice) -> dict:

@@ -3,16 +3,19 @@ SGLang's /generate), their translation into SamplingParams, response shapes and 
 
 Errors follow OpenAI: `{"error": {"message", "type", "param", "code"}}`. A body that is not
 JSON is a 400; one that does not match the schema (a missing or mistyped field) a 422; a
-field with an impossible value a 400; both name the field in `param`.
+field with an impossible value a 400; both name the field in `param`. No field is ignored:
+one this server does not know, or knows but cannot honour (response_format, tools), is a 400
+naming it, as OpenAI answers an unrecognized argument.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sala.engine import InvalidParam, RequestOutput, SamplingParams, TokenLogprob
+from sala.engine.detokenizer import TokenBytes
 
 
 class APIError(Exception):
@@ -29,15 +32,29 @@ class APIError(Exception):
 def schema_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     param = ".".join(str(x) for x in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param} (this server does not support it)",
+                        param=param, code="unknown_field")
     return APIError(422, f"{param}: {err['msg']}" if param else err["msg"], param=param, code=err["type"])
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a field this server does not know is a 400, never ignored
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias, token ids as JSON object keys -> {token id: bias}."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidParam("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+    return out
 
 
 class _OpenAISampling(_Body):
@@ -45,45 +62,61 @@ class _OpenAISampling(_Body):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM): -1 or 0 = off
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
     seed: int | None = None
-    ignore_eos: bool = False  # extension
-    skip_special_tokens: bool = True  # extension (vLLM)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # the end user, for abuse monitoring: logged with the request id
+    # Extensions, as vLLM and SGLang name them:
+    top_k: int | None = None  # -1 or 0 = off
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False  # vLLM's name ...
+    no_stop_trim: bool | None = False  # ... and SGLang's, for keeping the matched stop in the text
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return 1 if self.n is None else self.n
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidParam(name, f"{name} is not supported by this server (only 0)")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
+            ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=self.skip_special_tokens is not False,
             logprobs=logprobs,
+            min_tokens=self.min_tokens or 0,
+            logit_bias=logit_bias_ids(self.logit_bias),
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            no_stop_trim=bool(self.include_stop_str_in_output or self.no_stop_trim),
         )
 
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # 1 (or none) only, as load testers send it
 
     def prompts(self) -> list[str | list[int]]:
-        if self.echo or self.suffix is not None or (self.best_of or 1) > 1:
+        if self.echo or self.suffix is not None or self.best_of not in (None, 1):
             field = "echo" if self.echo else "suffix" if self.suffix is not None else "best_of"
             raise InvalidParam(field, f"{field} is not supported by this server")
         p = self.prompt
@@ -106,11 +139,29 @@ class ChatMessage(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+# Chat fields this server knows but cannot honour yet, with the values that ask for nothing.
+NOT_IMPLEMENTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+                   "parallel_tool_calls": (False, True), "functions": ([],), "function_call": ("none",)}
+
+
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    def refuse_not_implemented(self) -> None:
+        for name, harmless in NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if value is not None and value not in harmless:
+                what = "structured output (JSON mode, json_schema)" if name == "response_format" else "tool and function calling"
+                raise InvalidParam(name, f"{name} is not supported by this server: {what} is not implemented")
 
     def top_k_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -118,20 +169,26 @@ class ChatCompletionRequest(_OpenAISampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateSampling(BaseModel):
+class GenerateSampling(_Body):
     """SGLang's sampling_params; unknown keys are an error (a typo must not silently fall back)."""
 
-    model_config = ConfigDict(extra="forbid")
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
 
 
 class GenerateRequest(_Body):
@@ -143,6 +200,7 @@ class GenerateRequest(_Body):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     stream: bool = False
+    rid: str | list[str] | None = None  # request id(s), one per prompt: /abort_request cancels by it
 
     def prompts(self) -> list[str | list[int]]:
         if (self.text is None) == (self.input_ids is None):
@@ -163,16 +221,36 @@ class GenerateRequest(_Body):
             stop_token_ids=list(s.stop_token_ids or []), ignore_eos=s.ignore_eos, skip_special_tokens=s.skip_special_tokens,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
             prompt_logprobs_start=self.logprob_start_len if self.return_logprob and self.logprob_start_len >= 0 else None,
+            min_tokens=s.min_new_tokens, min_p=s.min_p, no_stop_trim=s.no_stop_trim, repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logit_bias=logit_bias_ids(s.logit_bias),
         )
+
+    def rids(self, num_prompts: int) -> list[str] | None:
+        """The rid of each prompt (None: the server makes ids)."""
+        if self.rid is None:
+            return None
+        rids = [self.rid] if isinstance(self.rid, str) else self.rid
+        if len(rids) != num_prompts or len(set(rids)) != len(rids) or not all(rids):
+            raise InvalidParam("rid", f"rid must be one distinct non-empty id per prompt ({num_prompts}), got {self.rid!r}")
+        return rids
+
+
+class AbortRequest(_Body):
+    """SGLang's /abort_request: cancel the request(s) with this rid, or every running one."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 # Where each SamplingParams field lives in each endpoint's body, for error messages.
 PARAM_NAMES = {
-    "chat": {"logprobs": "top_logprobs"},
-    "generate": {"max_tokens": "sampling_params.max_new_tokens", "temperature": "sampling_params.temperature",
-                 "top_p": "sampling_params.top_p", "top_k": "sampling_params.top_k", "stop": "sampling_params.stop",
-                 "stop_token_ids": "sampling_params.stop_token_ids", "logprobs": "top_logprobs_num",
-                 "prompt_logprobs_start": "logprob_start_len", "prompt": "text"},
+    "chat": {"logprobs": "top_logprobs", "prompt": "messages"},
+    "generate": {"max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
+                 "n": "sampling_params.n", "seed": "sampling_params.sampling_seed",
+                 "logprobs": "top_logprobs_num", "prompt_logprobs_start": "logprob_start_len", "prompt": "text",
+                 **{f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+                                                        "repetition_penalty", "presence_penalty", "frequency_penalty",
+                                                        "logit_bias")}},
 }
 
 
@@ -188,6 +266,14 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    matched: int | str | None = None  # the stop string or token id that ended it
+    stop_token_ids: tuple[int, ...] = ()  # the request's own, to tell them from eos
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's stop_reason: the stop string or stop_token_ids entry that ended the choice; None
+        for eos, a length finish, or an unfinished choice."""
+        return self.matched if isinstance(self.matched, str) or self.matched in self.stop_token_ids else None
 
     def add(self, out: RequestOutput) -> None:
         self.num_prompt_tokens = out.num_prompt_tokens
@@ -197,6 +283,7 @@ class Choice:
         self.logprobs += out.logprobs
         self.prompt_logprobs += out.prompt_logprobs
         self.finish_reason = out.finish_reason
+        self.matched = out.matched
 
 
 def usage(choices: list[Choice], prompt_tokens: int, n: int = 1) -> dict:
@@ -208,11 +295,12 @@ def usage(choices: list[Choice], prompt_tokens: int, n: int = 1) -> dict:
 
 
 class TokenText:
-    """Token id -> its text, as shown in logprobs."""
+    """Token id -> its text, as shown in logprobs (`.bytes`: the bytes it stands for)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
+        self.bytes = TokenBytes(tokenizer)
 
     def __call__(self, token_id: int) -> str:
         if token_id not in self.cache:
@@ -233,7 +321,7 @@ def completion_logprobs(text_of: TokenText, entries: list[TokenLogprob], offset:
 def chat_logprobs(text_of: TokenText, entries: list[TokenLogprob]) -> dict:
     def one(token_id: int, logprob: float) -> dict:
         t = text_of(token_id)
-        return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+        return {"token": t, "logprob": logprob, "bytes": list(text_of.bytes(token_id))}
 
     return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
 
@@ -250,5 +338,5 @@ def sglang_finish_reason(c: Choice) -> dict | None:
     if c.finish_reason == "length":
         return {"type": "length", "length": len(c.token_ids)}
     if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.token_ids[-1] if c.token_ids else None}
+        return {"type": "stop", "matched": c.matched}
     return {"type": "abort"} if c.finish_reason else None

@@ -96,11 +96,13 @@ def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_st
     pq.write_table(pa.table({"conversation": chats, "tag": ["a", "b", "c"]}), str(data))
     out = tmp_path / "out"
     assert generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
-                          "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5", "--deterministic"]) == 0
+                          "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5", "--deterministic",
+                          "--repetition-penalty", "1.3", "--min-tokens", "3", "--logit-bias", "17=2.5"]) == 0
     table = pq.read_table(str(out)).to_pandas()
     assert list(table["tag"]) == ["a", "b", "c"] and table[generate.ERROR].isna().all()
     templated = [local_engine.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-    expected = local_engine.generate(templated, SamplingParams(max_tokens=5, temperature=0))
+    expected = local_engine.generate(templated, SamplingParams(max_tokens=5, temperature=0, repetition_penalty=1.3,
+                                                               min_tokens=3, logit_bias={17: 2.5}))
     assert list(table["generated_text"]) == [c.text for c in expected]
 
 
@@ -130,7 +132,8 @@ def test_dataset_dict_feeds_calibration_and_batch_generation(tiny_sala_dir, tmp_
                           "--num-cpus", "0.5", "--deterministic"]) == 0
     table = pq.read_table(str(out)).to_pandas()
     templated = [local_engine.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-    expected = local_engine.generate(templated, SamplingParams(max_tokens=5, temperature=0))
+    expected = local_engine.generate(templated, SamplingParams(max_tokens=5, temperature=0, repetition_penalty=1.3,
+                                                               min_tokens=3, logit_bias={17: 2.5}))
     assert list(table["generated_text"]) == [c.text for c in expected] and list(table["tag"]) == [0, 1, 0, 1]
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
@@ -167,6 +170,10 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_sto
         "has no rows": ["--dataset", str(empty), "--output", str(tmp_path / "o3")],
         "pass --overwrite": ["--dataset", str(good), "--output", str(existing)],
         "temperature": ["--dataset", str(good), "--output", str(tmp_path / "o4"), "--temperature", "-1"],
+        "--repetition-penalty: repetition_penalty must be > 0": ["--dataset", str(good), "--output", str(tmp_path / "o8"),
+                                                                 "--repetition-penalty", "0"],
+        "--logit-bias: logit_bias for token 5 must be in [-100, 100]": ["--dataset", str(good), "--output",
+                                                                         str(tmp_path / "o9"), "--logit-bias", "5=300"],
     }
     import torch
 

@@ -215,9 +215,31 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 300}, {}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, {}, 422, "messages"),
-    ("/generate", {"text": "x", "sampling_params": {"max_tokens": 5}}, {}, 422, "sampling_params.max_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"max_tokens": 5}}, {}, 400, "sampling_params.max_tokens"),
+    ("/generate", {"text": "x", "return_hidden_states": True}, {}, 400, "return_hidden_states"),
+    ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, {}, 400,
+     "sampling_params.min_new_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"logit_bias": {"x": 1}}}, {}, 400, "sampling_params.logit_bias"),
+    ("/generate", {"text": ["x", "y"], "rid": "one"}, {}, 400, "rid"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, {}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, {}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}}, {}, 400,
+     "stream_options.extra"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, {}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, {}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "best_of": 0}, {}, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     {}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, {}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, {}, 400, "messages.0.name"),
+    ("/abort_request", {}, {}, 400, "rid"),
+    ("/v1/completions", {"prompt": "lone \ud800 surrogate"}, {}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, {}, 400, "messages"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, {}, 400, "sampling_params.max_new_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer clé".encode()}, 401, None),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * (70 << 10)}, {}, 413, None),
 ]
 
@@ -273,8 +295,93 @@ def test_full_queue_is_503_with_retry_after_and_leaves_nothing_behind(http, serv
 
 
 def test_missing_api_key_is_401(server):
-    r = httpx.get(f"{server}/v1/models")
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/get_model_info", "/get_server_info"):
+        r = httpx.get(f"{server}{path}")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_unknown_routes_and_methods_are_json_errors(http):
+    for method, path, status in (("GET", "/v2/nothing", 404), ("GET", "/v1/completions", 405), ("DELETE", "/generate", 405)):
+        r = http.request(method, path)
+        assert r.status_code == status and r.json()["error"]["message"], r.text
+
+
+def test_sampling_controls_over_http_equal_the_engine(client, http, local_engine):
+    """Each control reaches the engine from every endpoint: the server's output equals the local
+    engine's with the same SamplingParams (whose semantics test_sampling_controls.py checks)."""
+    controls = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.6, min_p=0.1)
+    want = local_engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, min_tokens=3,
+                                                          logit_bias={17: 2.5}, **controls))[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logit_bias={"17": 2.5},
+                                  presence_penalty=0.4, frequency_penalty=0.6, user="tester", extra_body={
+                                      "repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 3, "ignore_eos": True})
+    assert r.choices[0].text == want.text
+    g = http.post("/generate", json={"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "min_new_tokens": 3, "logit_bias": {"17": 2.5}, **controls}})
+    assert g.status_code == 200 and g.json()["output_ids"] == want.token_ids, g.text
+    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            temperature=1.0, seed=1, logit_bias={"17": 100}, n=None)
+    assert forced.usage.completion_tokens == 4 and forced.choices[0].message.content == local_engine.tokenizer.decode([17] * 4)
+
+
+def test_stop_reason_and_matched_name_the_stop(client, http, local_engine):
+    full = greedy_text(local_engine, PROMPT, 16)
+    stop = full.text[6:9]
+    assert stop.strip()
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    choice = r.choices[0].model_dump()
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop and r.choices[0].text == full.text[:6]
+    kept = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": stop,
+                                              "include_stop_str_in_output": True}).json()["choices"][0]
+    assert kept["text"] == full.text[:9]
+    token = full.token_ids[4]
+    g = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                                         "stop": stop, "no_stop_trim": True}}).json()
+    assert g["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop} and g["text"] == full.text[:9]
+    g = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                                         "stop_token_ids": [token]}}).json()
+    assert g["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is a list?"}],
+                                          max_tokens=100, temperature=0)
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].model_dump()["stop_reason"] is None  # eos
+
+
+def test_logprob_bytes_are_the_tokens_bytes(client, local_engine):
+    """A token that is the first byte of a 3-byte character, forced by logit_bias: its text is
+    U+FFFD, its bytes the one byte it stands for."""
+    from sala.engine.detokenizer import TokenBytes
+
+    to_bytes = TokenBytes(local_engine.tokenizer)
+    (piece, *_) = local_engine.tokenizer("東", add_special_tokens=False)["input_ids"]
+    assert len(to_bytes(piece)) == 1 and local_engine.tokenizer.decode([piece]) == "\ufffd"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=2, logit_bias={str(piece): 100})
+    content = r.choices[0].logprobs.content
+    assert [c.bytes for c in content] == [list(to_bytes(piece))] * 3
+    assert all(t.bytes == list(to_bytes(local_engine.tokenizer.convert_tokens_to_ids(t.token)))
+               or t.bytes == list(t.token.encode()) for c in content for t in c.top_logprobs)
+
+
+def test_rid_abort_and_server_info(http, server, local_engine):
+    body = {"text": PROMPT, "rid": "soak-1", "stream": True,
+            "sampling_params": {"max_new_tokens": 250, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        with c.stream("POST", f"{server}/generate", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["meta_info"]["id"] == "soak-1"
+            busy = http.post("/generate", json={**body, "stream": False})
+            assert busy.status_code == 400 and busy.json()["error"]["param"] == "rid"
+            assert http.post("/abort_request", json={"rid": "soak-1"}).json() == {"aborted": ["soak-1"]}
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert events[-1]["meta_info"]["completion_tokens"] < 250
+    assert http.post("/abort_request", json={"rid": "soak-1"}).json() == {"aborted": []}
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] and info["served_model_names"] == [MODEL, ALIAS] and Path(info["model_path"]).is_dir()
+    server_info = http.get("/get_server_info").json()
+    assert server_info["max_running_requests"] == 4 and server_info["max_tokens_limit"] == 256
+    assert server_info["deterministic"] is True and server_info["api_key_required"] is True
 
 
 def metric_samples(server) -> dict:

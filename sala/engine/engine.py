@@ -156,6 +156,10 @@ class Engine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode()
+            except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
+                raise InvalidParam("prompt", f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
             return self.tokenizer(prompt)["input_ids"]
         if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
             raise InvalidParam("prompt", f"token ids must be integers in [0, {self.config.vocab_size})")
@@ -174,7 +178,8 @@ class Engine:
             limit = min(self.max_model_len, self.cache.max_tokens) - len(ids)
             raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} but the prompt ({len(ids)} tokens) "
                                              f"leaves room for at most {limit}")
-        req = Request(ids, params, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens), on_output)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.no_stop_trim)
+        req = Request(ids, params, detokenizer, on_output)
         if request_id:
             req.request_id = request_id
         if params.prompt_logprobs_start is not None:
@@ -183,7 +188,8 @@ class Engine:
             # A CPU generator whatever the device: sampling draws its uniforms here (sampling.py),
             # so a seed gives the same tokens on CPU and CUDA.
             seed = params.seed if params.seed is not None else random.getrandbits(63)
-            req.generator = torch.Generator(device="cpu").manual_seed(seed)
+            # Any integer seeds: torch takes [-2**63, 2**64) and reads a negative one as its two's complement.
+            req.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
         self.scheduler.add(req)
         self.num_prompt_tokens += len(ids)
         return req
@@ -214,7 +220,7 @@ class Engine:
             for (r, _), lp in zip(step.prompt_targets, scored):
                 r.prompt_logprobs.append(lp)
         reqs = step.sampled
-        tokens = sample(logits[:n], reqs)
+        tokens = sample(logits[:n], reqs, self.eos_ids)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         scored = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])
         logprobs = dict(zip(want, scored))
@@ -227,12 +233,15 @@ class Engine:
         r.first_token_at = r.first_token_at or time.perf_counter()
         if lp is not None:
             r.logprobs.append(lp)
-        reason = None
-        if (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_token_ids:
-            reason = "stop"
-        elif r.detokenizer.append(token):
-            reason = "stop"
-        elif len(r.output_ids) >= r.params.max_tokens:
+        p, reason = r.params, None
+        # min_tokens: the sampler kept stop tokens out until then; stop strings count only from then on.
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason, r.matched = "stop", token
+            if p.no_stop_trim:  # the stop token's text stays (when it is not a skipped special token)
+                r.detokenizer.append(token, check_stop=False)
+        elif (matched := r.detokenizer.append(token, check_stop=len(r.output_ids) >= p.min_tokens)) is not None:
+            reason, r.matched = "stop", matched
+        elif len(r.output_ids) >= p.max_tokens:
             reason = "length"
         self._emit(r, [token], lp, reason)
 
@@ -244,7 +253,8 @@ class Engine:
         first = len(r.output_ids) == 1 and bool(tokens)
         r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],
                                   r.prompt_logprobs if first else [], reason is not None, reason,
-                                  len(r.prompt_ids), len(r.output_ids), r.cached_prompt_tokens))
+                                  len(r.prompt_ids), len(r.output_ids), r.cached_prompt_tokens,
+                                  r.matched if reason else None))
 
     def fail_all(self) -> list[Request]:
         """After a step raised: drop every request (their cache contents are not trustworthy)."""
@@ -300,6 +310,16 @@ class AsyncEngine:
         self.streams[stream.request.request_id] = stream
         self.wakeup.set()
         return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request by id, as SGLang's /abort_request: its stream still gets the final
+        "cancelled" output, so its client sees the request end. False if no such request runs."""
+        stream = self.streams.get(request_id)
+        if stream is None or stream.finished:
+            return False
+        self.engine.cancel(stream.request)
+        self.wakeup.set()
+        return True
 
     def close(self) -> None:
         self.stopping = True

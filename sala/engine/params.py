@@ -3,12 +3,18 @@
 Defaults follow the OpenAI API (temperature 1, top_p 1, 16 tokens), so the HTTP layer can pass
 a request's fields through unchanged. temperature == 0 means greedy. A bad value raises
 InvalidParam naming the field, which the server turns into an HTTP 400 with that `param`.
+
+The logits controls (logit_bias, min_tokens, the three penalties) and min_p follow vLLM's
+definitions (sala/engine/logits_controls.py applies them); each is off at its default, and a
+step none of whose requests sets one pays nothing for them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 256
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 class InvalidParam(ValueError):
@@ -32,16 +38,29 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus k alternatives
     prompt_logprobs_start: int | None = None  # logprobs (with `logprobs` alternatives) of prompt tokens from here on
     skip_special_tokens: bool = True  # leave special tokens (chat-template markers, eos) out of the text, as vLLM does
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature)
+    min_tokens: int = 0  # no eos / stop token before this many tokens, and stop strings only from then on
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    repetition_penalty: float = 1.0  # > 1: tokens of the prompt or output so far get logit / p if positive, * p if not
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    no_stop_trim: bool = False  # keep the matched stop string (or stop token's text) at the end of the text
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change this request's logits before choosing (min_p aside)."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1 or self.presence_penalty
+                    or self.frequency_penalty)
+
     def validate(self, vocab_size: int) -> SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidParam("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise InvalidParam("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < math.inf:
+            raise InvalidParam("temperature", f"temperature must be finite and >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -55,4 +74,19 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise InvalidParam("stop_token_ids", f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                                             f"got {self.min_tokens!r}")
+        if not self.repetition_penalty > 0 or not math.isfinite(self.repetition_penalty):
+            raise InvalidParam("repetition_penalty", f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidParam(name, f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise InvalidParam("logit_bias", f"logit_bias key {token!r} is not a token id in [0, {vocab_size})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidParam("logit_bias", f"logit_bias for token {token} must be in [-100, 100], got {bias!r}")
         return self

@@ -35,6 +35,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    matched: int | str | None = None  # what ended a "stop": the stop string, or the token id (eos or a stop token)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Completion:
     time_to_first_token_s: float
     latency_s: float
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    matched: int | str | None = None  # as RequestOutput.matched
 
 
 # eq=False: a request is itself, not its fields. The scheduler's `in` and `remove` over its
@@ -74,6 +76,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens from prompt_logprobs_start
     finish_reason: str | None = None
+    matched: int | str | None = None  # the stop string or token id that ended it
     cancelled: bool = False
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -109,7 +112,7 @@ class Request:
         first = self.first_token_at or now
         return Completion(self.request_id, self.prompt_ids, self.output_ids, self.detokenizer.text, self.logprobs,
                           self.prompt_logprobs, self.finish_reason, first - self.arrival, now - self.arrival,
-                          self.cached_prompt_tokens)
+                          self.cached_prompt_tokens, self.matched)
 
     @property
     def cached_prompt_tokens(self) -> int:

@@ -1,5 +1,7 @@
-"""Next tokens from logits for a whole step at once: greedy rows by argmax, sampled rows through
-temperature, top-k and top-p as batched tensor ops, then one inverse-CDF draw per row.
+"""Next tokens from logits for a whole step at once: the requests' logits controls first
+(logits_controls.py: logit_bias, min_tokens, penalties), then greedy rows by argmax, sampled
+rows through temperature, min-p, top-k and top-p as batched tensor ops, then one inverse-CDF
+draw per row.
 
 Each sampling request owns a CPU torch.Generator seeded once and draws one uniform a step
 from it, whatever device the logits are on: a seed gives the same tokens on CPU and CUDA (for
@@ -9,17 +11,25 @@ and the OpenAI API report them.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from sala.engine.logits_controls import adjust_logits
 from sala.engine.params import SamplingParams
 from sala.engine.request import Request, TokenLogprob
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [n, V] -> probabilities [n, V] after each row's temperature, top-k and top-p."""
+    """logits [n, V] -> probabilities [n, V] after each row's temperature, min-p, top-k and top-p."""
     dev, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temperature[:, None]
+    if any(p.min_p > 0 for p in params):
+        # p(token) < min_p * p(most likely)  <=>  logit < max logit + log(min_p)   (vLLM applies it before top-k/p)
+        floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params], device=dev,
+                             dtype=logits.dtype)
+        logits = logits.masked_fill(logits < logits.max(-1, keepdim=True).values + floor[:, None], float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         k = torch.tensor(top_k, device=dev)
@@ -36,8 +46,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [n, V] fp32, one row per request -> the next token of each."""
+def sample(logits: torch.Tensor, requests: list[Request], eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """logits [n, V] fp32, one row per request -> the next token of each (eos_ids: what min_tokens holds back)."""
+    logits = adjust_logits(logits, requests, eos_ids)
     tokens = logits.argmax(-1)
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if rows:
