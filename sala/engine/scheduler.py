@@ -12,6 +12,9 @@ most recently admitted request is preempted: its pages and state slot are freed 
 back to the front of the queue, to recompute its prompt and the tokens it already generated
 (a lightning state cannot be rebuilt any other way) and continue exactly where it was.
 
+With Medusa a decode is a draft tree: it costs `decode_tokens` rows of the budget (the tree's
+nodes) and reserves pages for `lookahead` more positions (the deepest path it may accept).
+
 In the batch-invariant mode a chunk ends only at a multiple of `granule` (or at the end of
 the tokens), so where a prompt is cut never depends on the load.
 
@@ -53,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.decode_tokens, self.lookahead = 1, 0  # a plain decode; Medusa sets its tree's
         self.lock = threading.Lock()
 
     def add(self, req: Request) -> None:
@@ -82,9 +86,10 @@ class Scheduler:
     def schedule(self) -> Schedule:
         batch = Schedule()
         for r in list(self.running):
-            if r in self.running and not r.prefilling and self._grow_or_preempt(r, r.num_computed + 1):
+            if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + self.lookahead,
+                                                                                      r.capacity)):
                 batch.decodes.append(r)
-        budget = self.max_batch_tokens - len(batch.decodes)
+        budget = self.max_batch_tokens - len(batch.decodes) * self.decode_tokens
         for r in self.running:
             if r.prefilling and budget > 0:
                 # Prompt chunks take only free pages: preempting here could evict a request already scheduled.
