@@ -245,9 +245,10 @@ class SparseAttention(QKVOProjections):
         vc = v_rows[tree.kv_rows].to(q.dtype).transpose(1, 2)
         committed = torch.arange(tree.kv_rows.shape[1], device=q.device)[None] < tree.kv_lens[:, None]  # [R, W]
         mask = torch.cat([committed[:, None].expand(r, t, -1), tree.ancestor_mask.expand(r, t, t)], dim=-1)
-        o = F.scaled_dot_product_attention(qt, torch.cat([kc, kt], 2), torch.cat([vc, vt], 2), attn_mask=mask[:, None],
-                                           enable_gqa=self.n_heads != self.n_kv)
-        return o.transpose(0, 1).flatten(1, 2)
+        # In fp32, as the decode path's paged attention is, so that the verified logits are the decoded ones.
+        o = F.scaled_dot_product_attention(qt.float(), torch.cat([kc, kt], 2).float(), torch.cat([vc, vt], 2).float(),
+                                           attn_mask=mask[:, None], enable_gqa=self.n_heads != self.n_kv)
+        return o.to(q.dtype).transpose(0, 1).flatten(1, 2)
 
     def commit_tree(self, ctx, nodes: torch.Tensor, dest_rows: torch.Tensor) -> None:
         """Write the accepted nodes' K/V (nodes [M] flat indices r * T + i) at pool rows dest_rows [M]."""

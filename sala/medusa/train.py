@@ -280,3 +280,60 @@ def accept_length(engine, prompts: list[list[int]], max_tokens: int) -> float:
     engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     steps = engine.spec.verify_steps - before[0]
     return 1 + (engine.spec.accepted_tokens - before[1]) / max(steps, 1)
+
+
+# ------------------------------------------------------------------------------ one call
+@dataclass
+class DataConfig:
+    prompt_len: int = 32
+    seq_len: int = 128
+    windows_per_row: int = 8
+    self_distill: bool = True  # False: train on the given text
+    temperature: float = 0.0  # of the self-distilled continuations (0: greedy)
+    weighting: str = "matched"  # or "uniform"
+
+
+def distill(engine, seqs: list[Sequence], prompts: list[list[int]], data: DataConfig) -> list[Sequence]:
+    """The model's own continuations of each window's prompt, through the serving engine."""
+    from sala.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=data.seq_len - data.prompt_len, temperature=data.temperature, ignore_eos=True,
+                            seed=0 if data.temperature else None)
+    outs = engine.generate(prompts, params)
+    return self_distilled(seqs, [o.token_ids for o in outs], data.prompt_len)
+
+
+def prepare(engine, rows: list[Row], data: DataConfig, per_row: int | None = None) -> list[Sequence]:
+    seqs, prompts = windows(rows, engine.tokenizer, data.prompt_len, data.seq_len, per_row or data.windows_per_row)
+    if not seqs:
+        raise ValueError(f"no row has the {data.prompt_len} tokens a window's prompt needs")
+    return distill(engine, seqs, prompts, data) if data.self_distill else seqs
+
+
+def row_weights(seqs: list[Sequence], val_rows: list[Row], weighting: str) -> list[float] | None:
+    if weighting == "uniform":
+        return None
+    if weighting == "matched":
+        return matched_weights(seqs, val_rows)
+    raise ValueError(f"weighting must be 'matched' or 'uniform', got {weighting!r}")
+
+
+def write_medusa_checkpoint(model_dir: str | Path, heads: MedusaHeads, output: str | Path, overwrite: bool = False,
+                            producer: dict | None = None, metrics: dict | None = None) -> Path:
+    """`output` = the model checkpoint at `model_dir` (its files copied) plus `medusa/`, written
+    atomically with a fresh manifest over both."""
+    import shutil
+
+    from sala.checkpoint import MANIFEST, atomic_directory, verify_manifest, write_manifest
+    from sala.medusa.heads import MEDUSA_DIR
+
+    model_dir = Path(model_dir)
+    verify_manifest(model_dir)
+    with atomic_directory(output, overwrite=overwrite) as tmp:
+        for f in model_dir.iterdir():
+            if f.name in (MANIFEST, MEDUSA_DIR) or f.name.startswith("."):
+                continue
+            (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
+        heads.save(tmp)
+        write_manifest(tmp, producer, metrics)
+    return Path(output).absolute()
