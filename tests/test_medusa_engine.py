@@ -13,7 +13,6 @@ import torch
 
 from sala.checkpoint import load_model
 from sala.engine import Engine, SamplingParams
-from sala.engine.scheduler import Schedule
 from sala.medusa.heads import load_heads
 from sala.tiny import heldout_texts
 from tests.test_engine import nvfp4_model
