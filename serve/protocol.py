@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sala.engine import InvalidParam, RequestOutput, SamplingParams, TokenLogprob
+from sala.engine.request import SpecStats
 
 
 class APIError(Exception):
@@ -187,9 +188,11 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    spec: SpecStats | None = None  # a Medusa engine's verify steps and draft tokens
 
     def add(self, out: RequestOutput) -> None:
         self.num_prompt_tokens = out.num_prompt_tokens
+        self.spec = out.spec
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -199,7 +202,19 @@ class Choice:
 
 def usage(choices: list[Choice], prompt_tokens: int) -> dict:
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return out | spec_stats(choices)
+
+
+def spec_stats(choices: list[Choice]) -> dict:
+    """Medusa's per-request counters (none without Medusa), SGLang's names: verify steps, drafted
+    and accepted tokens (the bonus token not counted), accept length = 1 + accepted / verify steps."""
+    stats = [c.spec for c in choices if c.spec is not None]
+    if not stats:
+        return {}
+    steps, accepted = sum(s.verify_steps for s in stats), sum(s.accepted_tokens for s in stats)
+    return {"spec_verify_ct": steps, "spec_draft_token_num": sum(s.draft_tokens for s in stats),
+            "spec_accept_token_num": accepted, "spec_accept_length": 1 + accepted / steps if steps else 0.0}
 
 
 class TokenText:

@@ -104,3 +104,15 @@ def test_verify_writes_no_pool_and_commit_writes_only_the_accepted_path(base, he
     for i, t in cache.states.items():
         changed = (t != before["states"][i])[:-1].flatten(1).any(-1).nonzero()[:, 0].tolist()
         assert changed == sorted(r.state_slot for r in reqs)
+
+
+def test_usage_reports_spec_counters_as_sglang():
+    from sala.engine.request import RequestOutput, SpecStats
+    from serve.protocol import Choice, usage
+
+    c = Choice(0)
+    c.add(RequestOutput("r", [1, 2, 3], "", [], [], False, None, 5, 3, SpecStats(2, 126, 1, [1, 0, 0, 0])))
+    u = usage([c], 5)
+    assert u["spec_verify_ct"] == 2 and u["spec_accept_token_num"] == 1 and u["spec_draft_token_num"] == 126
+    assert u["spec_accept_length"] == 1.5 and u["completion_tokens"] == 3
+    assert "spec_verify_ct" not in usage([Choice(0)], 5)  # no Medusa, no counters

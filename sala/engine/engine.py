@@ -18,7 +18,6 @@ request, which frees its cache at the start of the next step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import random
@@ -142,6 +141,8 @@ class Engine:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available (torch {torch.__version__}); use device='cpu'")
+        if medusa is None and kwargs.get("batch_invariant"):
+            medusa = False  # the evaluation mode decodes plainly; only an explicit medusa=True is refused
         heads_path = path if medusa in (None, True) else medusa
         if medusa is True and not has_medusa(path):
             raise CheckpointError(f"{path}: medusa=True but the checkpoint has no medusa/ heads (train them with "
@@ -268,6 +269,9 @@ class Engine:
                 stats.verify_steps += 1
                 stats.draft_tokens += t - 1
                 stats.accepted_tokens += n - 1
+                stats.accepted_per_depth += [0] * (self.tree.max_depth - len(stats.accepted_per_depth))
+                for d in range(n - 1):
+                    stats.accepted_per_depth[d] += 1
             scored = [None] * n
             if r.params.logprobs is not None:  # token j is scored by the logits of the node before it
                 scored = token_logprobs(logits[i, paths[i][:n]], tokens, [r.params.logprobs] * n)
@@ -299,7 +303,7 @@ class Engine:
         first = len(r.output_ids) == 1 and bool(tokens)
         r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],
                                   r.prompt_logprobs if first else [], reason is not None, reason,
-                                  len(r.prompt_ids), len(r.output_ids), dataclasses.replace(r.spec) if r.spec else None))
+                                  len(r.prompt_ids), len(r.output_ids), r.spec.copy() if r.spec else None))
 
     def fail_all(self) -> list[Request]:
         """After a step raised: drop every request (their cache contents are not trustworthy)."""

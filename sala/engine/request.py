@@ -29,10 +29,14 @@ class SpecStats:
     verify_steps: int = 0
     draft_tokens: int = 0  # tree nodes verified, the root not counted
     accepted_tokens: int = 0  # drafted tokens kept, the bonus token not counted
+    accepted_per_depth: list[int] = field(default_factory=list)  # [d - 1]: verify steps that kept the depth-d draft
 
     @property
     def accept_length(self) -> float:
         return 1 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def copy(self) -> SpecStats:
+        return SpecStats(self.verify_steps, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_depth))
 
 
 @dataclass
