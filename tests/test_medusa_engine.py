@@ -116,3 +116,17 @@ def test_usage_reports_spec_counters_as_sglang():
     assert u["spec_verify_ct"] == 2 and u["spec_accept_token_num"] == 1 and u["spec_draft_token_num"] == 126
     assert u["spec_accept_length"] == 1.5 and u["completion_tokens"] == 3
     assert "spec_verify_ct" not in usage([Choice(0)], 5)  # no Medusa, no counters
+
+
+def test_sampling_with_typical_acceptance_is_seeded_and_mixes_with_greedy(base, heads, prompts, tiny_sala_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
+    runs = [Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False, medusa=copy.deepcopy(heads)).generate(prompts[:2], params)
+            for _ in range(2)]
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]  # the seed fixes the draws
+    assert all(len(c.token_ids) == 12 for c in runs[0])
+    plain = Engine(copy.deepcopy(base), tok, compile=False).generate(prompts[1:2], params[1])
+    assert runs[0][1].token_ids == plain[0].token_ids  # the greedy request beside a sampled one stays lossless
