@@ -60,9 +60,15 @@ def test_resumed_training_equals_uninterrupted(setup, tmp_path):
     cfg = train.TrainConfig(steps=12, batch_size=4, lr=3e-3, warmup=3, checkpoint_every=6)
     whole = untrained(base)
     train.train_heads(whole, base, val, train.RowSampler(len(val), None, 4, 0), cfg)
-    first = untrained(base)
-    train.train_heads(first, base, val, train.RowSampler(len(val), None, 4, 0), train.TrainConfig(**{**vars(cfg), "steps": 6}),
-                      tmp_path)
+    class Stop(Exception):
+        pass
+
+    def crash(step, row):
+        if step == 8:  # two steps past the state saved at step 6, which are lost and redone
+            raise Stop
+
+    with pytest.raises(Stop):
+        train.train_heads(untrained(base), base, val, train.RowSampler(len(val), None, 4, 0), cfg, tmp_path, crash)
     resumed = untrained(base)  # a fresh process would start from the same init, then load the state
     history = train.train_heads(resumed, base, val, train.RowSampler(len(val), None, 4, 0), cfg, tmp_path)
     assert [h["step"] for h in history] == list(range(1, 13))

@@ -229,10 +229,10 @@ def train_heads(heads: MedusaHeads, model, data: Encoded, sampler: RowSampler, c
         row = {"step": step + 1, "loss": loss.item(), **{f"loss_{k}": v for k, v in enumerate(losses.tolist())},
                **{f"top1_{k}": v for k, v in enumerate(top1.tolist())}, **{f"top5_{k}": v for k, v in enumerate(top5.tolist())}}
         history.append(row)
-        if on_step is not None:
-            on_step(step + 1, row)
         if state_dir is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
             save_train_state(Path(state_dir), heads, opt, sampler, step + 1, history, cfg)
+        if on_step is not None:
+            on_step(step + 1, row)
     heads.eval()
     return history
 
