@@ -71,7 +71,9 @@ class Completion:
     spec: SpecStats | None = None
 
 
-@dataclass
+# eq=False: a request is itself, not its fields. The scheduler's `in` and `remove` over its
+# lists must find this request, never another whose prompt and state happen to be equal.
+@dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
