@@ -335,5 +335,6 @@ def write_medusa_checkpoint(model_dir: str | Path, heads: MedusaHeads, output: s
                 continue
             (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
         heads.save(tmp)
+        (tmp / MEDUSA_DIR / MANIFEST).unlink()  # the checkpoint's own manifest covers medusa/ (nested ones are refused)
         write_manifest(tmp, producer, metrics)
     return Path(output).absolute()
