@@ -239,6 +239,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="evaluation mode: a row's logprobs are bitwise identical whatever else is in its batch (slower)")
     ap.add_argument("--batch-size", type=int, default=64, help="rows per map_batches call")
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget per step")
+    ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode with the checkpoint's medusa/ heads (default: when it has them)")
     ap.add_argument("--experiment", default="generate", help="MLflow experiment")
     args = ap.parse_args(argv)
     for name in ("max_tokens", "replicas", "batch_size"):
@@ -308,7 +310,7 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": dataset, "split": args.split,
               "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
-              "deterministic": args.deterministic, "batch_size": args.batch_size, "output": str(output), **sampling}
+              "deterministic": args.deterministic, "medusa": args.medusa, "batch_size": args.batch_size, "output": str(output), **sampling}
     with mlflow.start_run(run_name=f"generate-{Path(dataset).stem}") as mlflow_run:
         mlflow.log_params(params)
         start = time.perf_counter()
@@ -319,7 +321,7 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
                                        num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
                                        deterministic=args.deterministic,
                                        engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
-                                                      "max_waiting": max(256, args.batch_size)}),
+                                                      "max_waiting": max(256, args.batch_size), "medusa": args.medusa}),
             batch_size=args.batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=args.replicas),
             num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False,
             # Ray Data hands its actors their constructor arguments through the object store, where

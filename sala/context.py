@@ -12,6 +12,13 @@ for CUDA graphs). Each mixer reads the context, as nano-vllm's attention reads i
   one-step form, prompt chunks from their slot's state with the chunked form (several chunks
   as one padded batch, with `prefill_state_slots` / `prefill_lengths`).
 
+A tree-verify step (Medusa, `tree`) puts R draft trees of T nodes each in rows 0 .. R*T - 1
+instead of decode rows (num_decode is 0), prompt chunks after them. Sparse layers attend from
+each node to its request's committed K/V plus the node's ancestors; lightning layers run the
+tree-masked parallel form from the slot's state. Neither writes the pools (tree rows' slot
+mapping is the scratch row): both keep the tree's K/V in `tree.saved`, and `commit_tree`
+writes the accepted path's K/V into the pages and advances the states along it.
+
 `cache` is the engine's CachePool: `k[layer]`, `v[layer]` [pages, page_size, kv_heads, head_dim]
 and `states[layer]` [slots, heads, d_k, d_v], each with one scratch page / slot at the end.
 """
@@ -35,6 +42,27 @@ class Span:
 
 
 @dataclass
+class TreeStep:
+    """R draft trees of the same shape (sala/medusa/tree.py), one per request, at rows 0 .. R*T - 1."""
+
+    num_requests: int
+    depths: torch.Tensor  # [T]
+    ancestor_mask: torch.Tensor  # [T, T] bool, ancestor-or-self
+    kv_rows: torch.Tensor  # [R, W] pool rows of each request's committed positions, padded with the scratch row
+    kv_lens: torch.Tensor  # [R] committed tokens
+    state_slots: torch.Tensor  # [R]
+    saved: dict = field(default_factory=dict)  # layer -> the tree's (k, v), filled by the forward for commit_tree
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depths.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_requests * self.num_nodes
+
+
+@dataclass
 class StepContext:
     cache: object
     positions: torch.Tensor  # [N]
@@ -47,3 +75,4 @@ class StepContext:
     prefill_state_slots: torch.Tensor | None = None  # [len(prefills)]
     prefill_lengths: torch.Tensor | None = None  # [len(prefills)]
     batch_invariant: bool = False  # lightning layers run prompt chunks one at a time
+    tree: TreeStep | None = None  # draft trees to verify, in place of decode rows

@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from sala import lightning
+from sala import lightning, lightning_tree
 from sala.config import LIGHTNING, SALAConfig
 from sala.kv.pages import decode_attention
 
@@ -223,7 +223,7 @@ class SparseAttention(QKVOProjections):
         # A quantized cache: prompt chunks attend over what decode will read, not the exact K/V.
         lossless = k_pages.codec.lossless_for(q.dtype) and v_pages.codec.lossless_for(q.dtype)
         gqa = self.n_heads != self.n_kv
-        outs = []
+        outs = [self.attend_tree(q, k, v, k_pages, v_pages, ctx.tree)] if ctx.tree else []
         if ctx.num_decode:
             q_dec = q[0, :, : ctx.num_decode].transpose(0, 1)
             o = decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, self.head_dim**-0.5)
@@ -241,6 +241,38 @@ class SparseAttention(QKVOProjections):
                                                is_causal=mask is None, enable_gqa=gqa)
             outs.append(o[0])
         return _rows_with_padding(outs, q)
+
+    def attend_tree(self, q, k, v, k_pages, v_pages, tree):
+        """Each tree node over its request's committed K/V and its own ancestors -> [Hq, R*T, D].
+        The tree's K/V stay out of the pool (kept in tree.saved for commit_tree)."""
+        r, t = tree.num_requests, tree.num_nodes
+        qt, kt, vt = (x[0, :, : r * t].unflatten(1, (r, t)).transpose(0, 1) for x in (q, k, v))  # [R, H, T, D]
+        tree.saved[self.layer_idx] = (kt, vt)
+        # The committed K/V as decode reads them (dequantized from the layer's format).
+        kc = k_pages.read(tree.kv_rows.flatten(), q.dtype).unflatten(0, tree.kv_rows.shape).transpose(1, 2)  # [R, Hkv, W, D]
+        vc = v_pages.read(tree.kv_rows.flatten(), q.dtype).unflatten(0, tree.kv_rows.shape).transpose(1, 2)
+        # The nodes' own K/V as plain decode would read them back: through the layer's format.
+        kt, vt = (_through_format(x, pages, q.dtype) for x, pages in ((kt, k_pages), (vt, v_pages)))
+        committed = torch.arange(tree.kv_rows.shape[1], device=q.device)[None] < tree.kv_lens[:, None]  # [R, W]
+        mask = torch.cat([committed[:, None].expand(r, t, -1), tree.ancestor_mask.expand(r, t, t)], dim=-1)
+        # In fp32, as the decode path's paged attention is, so that the verified logits are the decoded ones.
+        o = F.scaled_dot_product_attention(qt.float(), torch.cat([kc, kt], 2).float(), torch.cat([vc, vt], 2).float(),
+                                           attn_mask=mask[:, None], enable_gqa=self.n_heads != self.n_kv)
+        return o.to(q.dtype).transpose(0, 1).flatten(1, 2)
+
+    def commit_tree(self, ctx, nodes: torch.Tensor, dest_rows: torch.Tensor) -> None:
+        """Write the accepted nodes' K/V (nodes [M] flat indices r * T + i) at pool rows dest_rows [M]."""
+        kt, vt = ctx.tree.saved.pop(self.layer_idx)
+        for saved, pages in ((kt, ctx.cache.k[self.layer_idx]), (vt, ctx.cache.v[self.layer_idx])):
+            pages.write(dest_rows, saved.transpose(1, 2).flatten(0, 1)[nodes])  # [M, Hkv, D], quantized by the format
+
+
+def _through_format(x: torch.Tensor, pages, dtype: torch.dtype) -> torch.Tensor:
+    """x [R, H, T, D] quantized and dequantized by a KVPages' codec (unchanged for a lossless one)."""
+    if pages.codec.lossless_for(dtype):
+        return x
+    rows = x.transpose(1, 2).flatten(0, 1)  # [R*T, H, D]
+    return pages.codec.decode(*pages.codec.encode(rows), dtype).unflatten(0, x.shape[::2]).transpose(1, 2)
 
 
 _warned_dense = False
@@ -335,6 +367,12 @@ class LightningAttention(QKVOProjections):
         """One engine step's flat rows (fp32 q, k, v [1, H, N, D]) against the state pool, updated in place by slot."""
         states = ctx.cache.states[self.layer_idx]  # [slots, H, Dk, Dv]
         outs = []
+        if tree := ctx.tree:  # read the slots' states, never write them (commit_tree does)
+            qt, kt, vt = (x[0, :, : tree.num_rows].unflatten(1, (tree.num_requests, -1)).transpose(0, 1) for x in (q, k, v))
+            tree.saved[self.layer_idx] = (kt, vt)
+            o = lightning_tree.tree_parallel(qt, kt, vt, g, self.scale, states.index_select(0, tree.state_slots).float(),
+                                             tree.depths, tree.ancestor_mask)
+            outs.append(o.transpose(0, 1).flatten(1, 2))
         nd = ctx.num_decode
         if nd:
             q_dec, k_dec, v_dec = (t[0, :, :nd].transpose(0, 1) for t in (q, k, v))  # [n_decode, H, D]
@@ -360,6 +398,15 @@ class LightningAttention(QKVOProjections):
             states.index_copy_(0, ctx.prefill_state_slots, s.to(states.dtype))
             outs += [o[i, :, :n] for i, n in enumerate(lengths)]
         return _rows_with_padding(outs, q)
+
+    def commit_tree(self, ctx, paths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Advance each request's state along its accepted path (paths [R, P] node indices, root
+        first; lengths [R] nodes accepted) in closed form."""
+        kt, vt = ctx.tree.saved.pop(self.layer_idx)
+        states, slots = ctx.cache.states[self.layer_idx], ctx.tree.state_slots
+        g = self.consts.get("log_decay", kt.device)
+        new = lightning_tree.commit_path(kt, vt, g, states.index_select(0, slots).float(), paths, lengths)
+        states.index_copy_(0, slots, new.to(states.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -460,6 +507,19 @@ class SALAModel(SALAPreTrainedModel):
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cos/sin tables every layer of one forward reads (None when no layer rotates)."""
         return rope_tables(position_ids, self.rope_consts.get("inv_freq", position_ids.device)) if self.uses_rope else None
+
+    def commit_tree(self, ctx, paths: torch.Tensor, lengths: torch.Tensor, dest_rows: torch.Tensor) -> None:
+        """After a tree-verify forward with step context `ctx`: commit each request's accepted path (paths [R, P] node
+        indices root first, lengths [R]) into the pools; dest_rows [sum(lengths)] are the pool rows
+        of the accepted tokens' positions, request by request."""
+        t = ctx.tree.num_nodes
+        keep = torch.arange(paths.shape[1], device=paths.device)[None] < lengths[:, None]
+        nodes = (paths + t * torch.arange(paths.shape[0], device=paths.device)[:, None])[keep]
+        for layer in self.layers:
+            if layer.is_lightning:
+                layer.self_attn.commit_tree(ctx, paths, lengths)
+            else:
+                layer.self_attn.commit_tree(ctx, nodes, dest_rows)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v/gate and gate/up into one GEMM each, in place. Parameter names change, so

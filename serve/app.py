@@ -57,6 +57,7 @@ from serve.protocol import (
     schema_error,
     sglang_finish_reason,
     sglang_logprobs,
+    spec_stats,
     usage,
 )
 
@@ -113,6 +114,14 @@ class EngineCollector:
         for reason in ("stop", "length", "cancelled"):
             finished.add_metric([reason], e.num_finished[reason])
         yield finished
+        if e.spec is not None:  # Medusa: mean accept length = 1 + accepted / verify steps (bonus included, as vLLM / SGLang)
+            yield CounterMetricFamily("sala_spec_verify_steps", "Medusa tree-verify steps", value=e.spec.verify_steps)
+            yield CounterMetricFamily("sala_spec_draft_tokens", "Drafted tokens verified (tree nodes below the root)",
+                                      value=e.spec.draft_tokens)
+            yield CounterMetricFamily("sala_spec_accepted_tokens", "Drafted tokens accepted (the bonus token not counted)",
+                                      value=e.spec.accepted_tokens)
+            yield GaugeMetricFamily("sala_spec_accept_length", "Tokens per verify step, bonus included",
+                                    value=e.spec.accept_length)
 
 
 @api.exception_handler(HTTPException)
@@ -472,7 +481,8 @@ class SalaServer:
         def result(c: Choice) -> dict:
             s = streams[c.index]
             meta = {"id": s.request.request_id, "finish_reason": sglang_finish_reason(c), "prompt_tokens": c.num_prompt_tokens,
-                    "completion_tokens": len(c.token_ids), "cached_tokens": c.num_cached_tokens, "e2e_latency": time.perf_counter() - start}
+                    "completion_tokens": len(c.token_ids), "cached_tokens": c.num_cached_tokens, "e2e_latency": time.perf_counter() - start,
+                    **spec_stats([c])}
             if body.return_logprob:
                 with_text = body.return_text_in_logprobs
                 meta["output_token_logprobs"], meta["output_top_logprobs"] = sglang_logprobs(self.text_of, c.logprobs, with_text)
@@ -540,6 +550,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-threads", type=int, help="torch threads in the replica (default: torch's choice)")
     ap.add_argument("--max-tokens-limit", type=int, default=1024,
                     help="largest max_tokens a request may ask for (default: %(default)s)")
+    ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode with the checkpoint's medusa/ heads (default: when it has them)")
     args = ap.parse_args(argv)
     if args.num_gpus < 0:
         ap.error("--num-gpus must be >= 0")
@@ -568,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                         deterministic=args.deterministic, num_threads=args.num_threads, max_tokens_limit=args.max_tokens_limit,
-                        prefix_cache=args.prefix_cache),
+                        prefix_cache=args.prefix_cache,
+                        **({} if args.medusa is None else {"medusa": args.medusa})),
               name="sala", route_prefix="/")
     stop_cmd = "serve shutdown -y"
     if ctx.dashboard_url and ctx.dashboard_url.rsplit(":", 1)[-1] != "8265":

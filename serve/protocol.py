@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sala.engine import InvalidParam, RequestOutput, SamplingParams, TokenLogprob
 from sala.engine.detokenizer import TokenBytes
+from sala.engine.request import SpecStats
 
 
 class APIError(Exception):
@@ -268,6 +269,7 @@ class Choice:
     finish_reason: str | None = None
     matched: int | str | None = None  # the stop string or token id that ended it
     stop_token_ids: tuple[int, ...] = ()  # the request's own, to tell them from eos
+    spec: SpecStats | None = None  # a Medusa engine's verify steps and draft tokens
 
     @property
     def stop_reason(self) -> int | str | None:
@@ -278,6 +280,7 @@ class Choice:
     def add(self, out: RequestOutput) -> None:
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
+        self.spec = out.spec
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -290,8 +293,20 @@ def usage(choices: list[Choice], prompt_tokens: int, n: int = 1) -> dict:
     """OpenAI's usage; cached_tokens counts each prompt once (its first choice's), like prompt_tokens."""
     completion = sum(len(c.token_ids) for c in choices)
     cached = sum(c.num_cached_tokens for c in choices[::n])
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    return out | spec_stats(choices)
+
+
+def spec_stats(choices: list[Choice]) -> dict:
+    """Medusa's per-request counters (none without Medusa), SGLang's names: verify steps, drafted
+    and accepted tokens (the bonus token not counted), accept length = 1 + accepted / verify steps."""
+    stats = [c.spec for c in choices if c.spec is not None]
+    if not stats:
+        return {}
+    steps, accepted = sum(s.verify_steps for s in stats), sum(s.accepted_tokens for s in stats)
+    return {"spec_verify_ct": steps, "spec_draft_token_num": sum(s.draft_tokens for s in stats),
+            "spec_accept_token_num": accepted, "spec_accept_length": 1 + accepted / steps if steps else 0.0}
 
 
 class TokenText:

@@ -87,3 +87,29 @@ def assert_gpu_bench_refuses_cpu(script: str) -> None:
     run = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="session")
+def medusa_checkpoint(tiny_sala_dir, tmp_path_factory):
+    """tiny-sala plus Medusa heads trained here for a minute on its own greedy continuations of
+    training text (a short recipe: good enough that drafts are often accepted)."""
+    from sala.checkpoint import load_model
+    from sala.engine import Engine
+    from sala.eval.calibration import default_source_rows
+    from sala.medusa import train
+    from sala.medusa.heads import MedusaConfig, MedusaHeads
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    engine = Engine.from_pretrained(tiny_sala_dir, compile=False)
+    data = train.DataConfig(windows_per_row=2)
+    seqs = train.prepare(engine, default_source_rows(), data)
+    base = load_model(tiny_sala_dir)
+    encoded = train.encode(base, seqs, pad_id=0)
+    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, shared_lm_head=False), base.lm_head)
+    cfg = train.TrainConfig(steps=120, batch_size=8, lr=3e-3)
+    train.train_heads(heads, base, encoded, train.RowSampler(len(seqs), None, cfg.batch_size, 0), cfg)
+    out = train.write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa")
+    torch.set_num_threads(n)
+    return out

@@ -5,6 +5,12 @@
 runs it through the model, samples one token for every request that reached the end of its
 prompt, and hands each request a RequestOutput through its callback.
 
+With Medusa heads (`medusa=`, or a checkpoint holding `medusa/`), every decode is a tree
+verify: one forward over each request's draft tree, the longest acceptable path kept
+(sala/medusa/accept.py: greedy is lossless, sampling uses typical acceptance), its K/V and
+lightning state committed, the bonus token sampled from its last node, and the heads' top-k
+at that node drafting the next tree.
+
 `AsyncEngine` runs that loop in a background thread for servers: `generate` is an async
 iterator of RequestOutputs, and leaving it early (a client that disconnects) cancels the
 request, which frees its cache at the start of the next step.
@@ -29,11 +35,12 @@ from sala.engine.cache import CacheFull, CachePool, full_request_kv_bytes, kv_by
 from sala.engine.detokenizer import IncrementalDetokenizer
 from sala.engine.params import InvalidParam, SamplingParams
 from sala.engine.prefix import PrefixCache
-from sala.engine.request import Completion, Request, RequestOutput, TokenLogprob
+from sala.engine.request import Completion, Request, RequestOutput, SpecStats, TokenLogprob
 from sala.engine.runner import ModelRunner
 from sala.engine.sampling import sample, token_logprobs
 from sala.engine.scheduler import Scheduler
 from sala.kv import PLAN_FILE, default_plan, load_plan
+from sala.medusa import accept as medusa_accept  # a module: sala.medusa.accept imports the engine's sampling
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +80,20 @@ class Engine:
       prefix_snapshot_interval: tokens between state snapshots (a multiple of the page size and
       of lightning.CHUNK_SIZE); prefix_snapshot_bytes: the snapshots' own budget (default an
       eighth of memory_bytes; on CUDA taken out of the default budget, on CPU on top of it).
+    - medusa: MedusaHeads (sala/medusa/heads.py) to decode by tree verify; typical_threshold and
+      typical_alpha: typical acceptance for sampled requests (Medusa's posterior_threshold and alpha,
+      default 0.09 and 0.3).
     """
 
     def __init__(self, model, tokenizer, *, memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None, max_model_len: int | None = None,
                  max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = False, compile: bool = True,
                  kv_plan=None, prefix_cache: bool = True, prefix_snapshot_interval: int = 512,
-                 prefix_snapshot_bytes: int | None = None):
+                 prefix_snapshot_bytes: int | None = None, medusa=None,
+                 typical_threshold: float | None = None, typical_alpha: float | None = None):
+        if medusa is not None and batch_invariant:
+            raise ValueError("Medusa tree verify has no batch-invariant mode: pass medusa=None (or medusa=False to "
+                             "from_pretrained) for the evaluation mode")
         self.model, self.tokenizer = model, tokenizer
         self.config = config = model.config
         param = next(model.parameters())
@@ -110,9 +124,20 @@ class Engine:
         self.prefix = PrefixCache(self.cache, config, prefix_snapshot_interval, prefix_snapshot_bytes, exact=batch_invariant) \
             if prefix_cache else None
         granule = lightning.CHUNK_SIZE if batch_invariant else 1
-        max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule)
+        self.medusa, self.tree = medusa, None
+        decode_tokens = 1
+        if medusa is not None:
+            self.medusa = medusa.to(device=self.device, dtype=param.dtype if param.is_floating_point() else torch.float32)
+            self.tree = medusa.tree.to(self.device)
+            self.typical = (medusa_accept.TYPICAL_THRESHOLD if typical_threshold is None else typical_threshold,
+                            medusa_accept.TYPICAL_ALPHA if typical_alpha is None else typical_alpha)
+            decode_tokens = self.tree.num_nodes
+        max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule,
+                                                   min(plan.max_seqs, 16) * decode_tokens + granule)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule, self.prefix)
-        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs)
+        if self.tree is not None:
+            self.scheduler.decode_tokens, self.scheduler.lookahead = decode_tokens, self.tree.max_depth
+        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.tree)
         self.eos_ids = stop_token_ids(model, tokenizer)
         dense_len = config.sparse_config["dense_len"]
         if self.max_model_len > dense_len:
@@ -122,14 +147,19 @@ class Engine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished: Counter[str] = Counter()  # by finish reason
+        self.spec = SpecStats() if medusa is not None else None  # totals over all requests
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                        kv_plan=None, **kwargs) -> Engine:
-        """A checkpoint directory; its kv_plan.json is used unless `kv_plan` (path or dict) is given."""
+                        kv_plan=None, medusa: bool | str | Path | None = None, medusa_tree: list[list[int]] | None = None,
+                        **kwargs) -> Engine:
+        """A checkpoint directory; its kv_plan.json is used unless `kv_plan` (path or dict) is given.
+        medusa: None serves the checkpoint's `medusa/` heads when it has them, False never, True
+        requires them, a path loads heads from there; medusa_tree replaces the saved tree."""
         from transformers import AutoTokenizer  # sala/__init__ has registered SALA's tokenizer class
 
-        from sala.checkpoint import load_model  # BF16, or NVFP4 through the W4A16 path
+        from sala.checkpoint import CheckpointError, load_model  # BF16, or NVFP4 through the W4A16 path
+        from sala.medusa.heads import has_medusa, load_heads
 
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +172,19 @@ class Engine:
             from sala.checkpoint import read_config
 
             load_plan(kv_plan, read_config(Path(path)))
-        return cls(load_model(path, dtype, device), AutoTokenizer.from_pretrained(path), kv_plan=kv_plan, **kwargs)
+        if medusa is None and kwargs.get("batch_invariant"):
+            medusa = False  # the evaluation mode decodes plainly; only an explicit medusa=True is refused
+        heads_path = path if medusa in (None, True) else medusa
+        if medusa is True and not has_medusa(path):
+            raise CheckpointError(f"{path}: medusa=True but the checkpoint has no medusa/ heads (train them with "
+                                  "pipelines/train_medusa.py)")
+        model = load_model(path, dtype, device)
+        heads = None
+        if medusa is not False and (medusa is not None or has_medusa(path)):
+            heads = load_heads(heads_path, model.config, device, tree=medusa_tree)
+        elif medusa_tree is not None:
+            raise ValueError("medusa_tree was given but Medusa is off (medusa=False or no medusa/ heads)")
+        return cls(model, AutoTokenizer.from_pretrained(path), kv_plan=kv_plan, medusa=heads, **kwargs)
 
     @property
     def num_preemptions(self) -> int:
@@ -180,6 +222,13 @@ class Engine:
                                              f"leaves room for at most {limit}")
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.no_stop_trim)
         req = Request(ids, params, detokenizer, on_output)
+        if self.medusa is not None:
+            if params.adjusts_logits or params.min_p:  # tree acceptance judges drafts by the raw logits
+                field = next(f for f, off in (("logit_bias", {}), ("min_tokens", 0), ("repetition_penalty", 1),
+                                              ("presence_penalty", 0), ("frequency_penalty", 0), ("min_p", 0))
+                             if getattr(params, f) != off)
+                raise InvalidParam(field, f"{field} is not supported with Medusa decoding; serve without Medusa to use it")
+            req.spec = SpecStats()
         if request_id:
             req.request_id = request_id
         if params.prompt_logprobs_start is not None:
@@ -207,13 +256,23 @@ class Engine:
         if not sched.num_tokens:
             return
         step, logits = self.runner.run(sched)
-        for r in sched.decodes:
-            r.num_computed += 1
+        if not step.verified:
+            for r in sched.decodes:
+                r.num_computed += 1
         for r, _, end in sched.prefills:
             r.num_computed = end
-        if self.prefix:  # before a request can finish and give its pages back
-            self.prefix.after_step(sched.decodes + [r for r, _, _ in sched.prefills])
+        if self.prefix:  # before a request can finish and give its pages back (_verify enters verified trees')
+            self.prefix.after_step(([] if step.verified else sched.decodes) + [r for r, _, _ in sched.prefills])
+        hidden = step.hidden
+        if step.verified:
+            n_tree = len(step.verified) * self.tree.num_nodes
+            self._verify(step, logits[:n_tree], hidden[:n_tree])
+            logits, hidden = logits[n_tree:], hidden[n_tree:]
         n = len(step.sampled)
+        if self.medusa is not None and n:
+            drafts = self._draft(hidden[:n])
+            for r, d in zip(step.sampled, drafts):
+                r.drafts = d
         if step.prompt_targets:
             scored = token_logprobs(logits[n:], [t for _, t in step.prompt_targets],
                                     [r.params.logprobs or 0 for r, _ in step.prompt_targets])
@@ -226,6 +285,46 @@ class Engine:
         logprobs = dict(zip(want, scored))
         for i, (r, token) in enumerate(zip(reqs, tokens)):
             self._append(r, token, logprobs.get(i))
+
+    @torch.inference_mode()
+    def _draft(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The next trees' candidates [N, K, topk] from the heads' input rows [N, hidden]."""
+        return self.medusa.draft_tokens(hidden, self.model.lm_head)
+
+    def _verify(self, step, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Accept, commit and emit the verified trees (logits / hidden: their R * T rows)."""
+        reqs, t = step.verified, self.tree.num_nodes
+        logits, hidden = logits.view(len(reqs), t, -1), hidden.view(len(reqs), t, -1)
+        left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs], device=self.device)
+        acc = medusa_accept.accept(self.tree, step.tree_tokens, logits, [r.params for r in reqs], left, *self.typical)
+        lengths = acc.lengths.tolist()
+        dest = torch.cat([self.cache.rows(r, r.num_computed, r.num_computed + n) for r, n in zip(reqs, lengths)])
+        self.model.model.commit_tree(step.context, acc.paths, acc.lengths, dest)
+        rows = torch.arange(len(reqs), device=self.device)
+        last = acc.last_nodes()
+        bonus = sample(logits[rows, last], reqs, self.eos_ids)
+        drafts = self._draft(hidden[rows, last])
+        paths, tree_tokens = acc.paths.tolist(), step.tree_tokens.tolist()
+        for i, (r, n) in enumerate(zip(reqs, lengths)):
+            r.num_computed += n
+            r.drafts = drafts[i]
+            tokens = [tree_tokens[i][node] for node in paths[i][1:n]] + [bonus[i]]
+            for stats in (r.spec, self.spec):
+                stats.verify_steps += 1
+                stats.draft_tokens += t - 1
+                stats.accepted_tokens += n - 1
+                stats.accepted_per_depth += [0] * (self.tree.max_depth - len(stats.accepted_per_depth))
+                for d in range(n - 1):
+                    stats.accepted_per_depth[d] += 1
+            scored = [None] * n
+            if r.params.logprobs is not None:  # token j is scored by the logits of the node before it
+                scored = token_logprobs(logits[i, paths[i][:n]], tokens, [r.params.logprobs] * n)
+            for token, lp in zip(tokens, scored):
+                self._append(r, token, lp)
+                if r.finish_reason:
+                    break
+        if self.prefix:  # the accepted tokens are in output_ids now; finished requests gave their pages back
+            self.prefix.after_step([r for r in reqs if not r.finish_reason])
 
     def _append(self, r: Request, token: int, lp: TokenLogprob | None) -> None:
         r.output_ids.append(token)
@@ -254,7 +353,7 @@ class Engine:
         r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],
                                   r.prompt_logprobs if first else [], reason is not None, reason,
                                   len(r.prompt_ids), len(r.output_ids), r.cached_prompt_tokens,
-                                  r.matched if reason else None))
+                                  r.matched if reason else None, r.spec.copy() if r.spec else None))
 
     def fail_all(self) -> list[Request]:
         """After a step raised: drop every request (their cache contents are not trustworthy)."""

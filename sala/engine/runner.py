@@ -4,6 +4,10 @@
 mapping, page tables and context lengths of the decode rows, state slots, prompt spans. The
 model's own mixers read it; this file never restates the layers.
 
+With Medusa (`tree`), every decode is a tree verify: the request's draft tree (root = its last
+token, nodes = its drafts picked by the tree's candidate indices) takes T rows at positions
+num_computed + depth, in a TreeStep context (sala/context.py); all T rows' logits come back.
+
 Decode-only steps take a fast path: on CPU the step is compiled with inductor (`compile=True`,
 dynamic batch size and page count); on CUDA it is replayed from CUDA graphs captured at
 bucketed batch sizes over persistent input buffers (padding rows write the scratch page and
@@ -25,11 +29,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from sala.context import Span, StepContext
+from sala.context import Span, StepContext, TreeStep
 from sala.engine.cache import CachePool
 from sala.engine.request import Request
 from sala.engine.scheduler import Schedule
@@ -55,12 +59,18 @@ class StepRows:
 
     sampled: list[Request]  # a request per sampled row (the first len(sampled) logits rows)
     prompt_targets: list[tuple[Request, int]]  # (request, next prompt token) per prompt-logprob row (the rest)
+    verified: list[Request] = field(default_factory=list)  # tree verify: R requests, R * T logits rows before the rest
+    tree_tokens: torch.Tensor | None = None  # [R, T] the tokens verified
+    context: StepContext | None = None  # a tree verify's context, for commit_tree
+    hidden: torch.Tensor | None = None  # Medusa: the heads' input (hidden / logit divisor) of every logits row
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CachePool, batch_invariant: bool = False, compile: bool = True, max_decode_batch: int = 32):
+    def __init__(self, model, cache: CachePool, batch_invariant: bool = False, compile: bool = True, max_decode_batch: int = 32,
+                 tree=None):
         self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
         self.device = cache.device
+        self.tree = tree  # a MedusaTree on the device: decodes are tree verifies
         self.compile_seconds: float | None = None
         self.fast_decode = None
         if compile and not batch_invariant:
@@ -69,6 +79,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- inputs
     def prepare(self, sched: Schedule) -> tuple[torch.Tensor, StepContext, list[int], StepRows]:
         cache, dev = self.cache, self.device
+        if self.tree is not None and sched.decodes:
+            return self._prepare_tree(sched)
         dec = sched.decodes
         ids = [r.last_token for r in dec]
         pos = [r.num_computed for r in dec]
@@ -80,7 +92,32 @@ class ModelRunner:
             ctx.context_lens = torch.tensor([p + 1 for p in pos], device=dev)
             ctx.state_slots = torch.tensor([r.state_slot for r in dec], device=dev)
         sample_rows, rows = list(range(len(dec))), StepRows(list(dec), [])
-        prompt_rows, row, slot_parts = [], len(dec), [torch.tensor(slots, dtype=torch.long, device=dev)]
+        slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)]
+        return self._add_prefills(sched, ids, pos, slot_parts, ctx, sample_rows, rows, len(dec))
+
+    def _prepare_tree(self, sched: Schedule):
+        cache, dev, tree = self.cache, self.device, self.tree
+        dec, t = sched.decodes, self.tree.num_nodes
+        candidates = torch.stack([torch.cat([torch.tensor([r.last_token], device=dev), r.drafts.flatten()]) for r in dec])
+        tokens = candidates[:, tree.candidate_indices]  # [R, T]
+        computed = torch.tensor([r.num_computed for r in dec], device=dev)
+        width = max(max(r.num_computed for r in dec), 1)
+        kv_rows = torch.full((len(dec), width), cache.scratch_row, dtype=torch.long, device=dev)
+        for i, r in enumerate(dec):
+            kv_rows[i, : r.num_computed] = cache.rows(r, 0, r.num_computed)
+        ctx = StepContext(cache, None, None, batch_invariant=self.batch_invariant)
+        ctx.tree = TreeStep(len(dec), tree.depths, tree.ancestor_mask, kv_rows, computed,
+                            torch.tensor([r.state_slot for r in dec], device=dev))
+        rows = StepRows([], [], list(dec), tokens, ctx)
+        ids = tokens.flatten().tolist()
+        pos = (computed[:, None] + tree.depths).flatten().tolist()
+        slot_parts = [torch.full((len(ids),), cache.scratch_row, dtype=torch.long, device=dev)]
+        ids, ctx, logit_rows, rows = self._add_prefills(sched, ids, pos, slot_parts, ctx, [], rows, len(ids))
+        return ids, ctx, list(range(len(dec) * t)) + logit_rows, rows
+
+    def _add_prefills(self, sched, ids, pos, slot_parts, ctx, sample_rows, rows, row):
+        cache, dev = self.cache, self.device
+        prompt_rows = []
         for r, start, end in sched.prefills:
             ids += r.token_slice(start, end)
             pos += range(start, end)
@@ -117,14 +154,23 @@ class ModelRunner:
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
     def run(self, sched: Schedule) -> tuple[StepRows, torch.Tensor]:
-        """Advance the cache by the scheduled tokens; returns which rows mean what and the fp32
-        logits of the sampled rows followed by the prompt-logprob rows."""
+        """Advance the cache by the scheduled tokens (a tree verify: by nothing yet, see
+        commit_tree); returns which rows mean what and the fp32 logits of the verified tree
+        rows, then the sampled rows, then the prompt-logprob rows."""
         ids, ctx, logit_rows, rows = self.prepare(sched)
-        if self.fast_decode is not None and not ctx.prefills:
+        if self.fast_decode is not None and not ctx.prefills and ctx.tree is None:
             logits = self.fast_decode(ids, ctx)
             if logits is not None:
                 return rows, logits
-        return rows, self.forward(ids, ctx, logit_rows)
+        if self.tree is None:
+            return rows, self.forward(ids, ctx, logit_rows)
+        rows.hidden = self.heads_input(ids, ctx, logit_rows)
+        return rows, self.model.lm_head(rows.hidden).float()  # = model.logits of the undivided hidden
+
+    def heads_input(self, ids: torch.Tensor, ctx: StepContext, logit_rows: list[int]) -> torch.Tensor:
+        """The final hidden of the logits rows divided by the muP logit divisor: what lm_head and the Medusa heads read."""
+        hidden = self.model.model(ids[None], context=ctx)[0]
+        return hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)] / self.model.config.logit_divisor
 
     def forward(self, ids: torch.Tensor, ctx: StepContext, logit_rows: list[int] | None = None) -> torch.Tensor:
         hidden = self.model.model(ids[None], context=ctx)[0]

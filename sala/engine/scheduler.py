@@ -16,6 +16,9 @@ With a prefix cache (sala/engine/prefix.py) a waiting request is admitted from t
 snapshot it matches, and a chunk never runs past the next snapshot interval, so that the
 lightning state there exists to be snapshotted. Cached pages count as free.
 
+With Medusa a decode is a draft tree: it costs `decode_tokens` rows of the budget (the tree's
+nodes) and reserves pages for `lookahead` more positions (the deepest path it may accept).
+
 In the batch-invariant mode a chunk ends only at a multiple of `granule` (or at the end of
 the tokens), so where a prompt is cut never depends on the load.
 
@@ -59,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.decode_tokens, self.lookahead = 1, 0  # a plain decode; Medusa sets its tree's
         self.lock = threading.Lock()
 
     def add(self, req: Request) -> None:
@@ -88,9 +92,10 @@ class Scheduler:
     def schedule(self) -> Schedule:
         batch = Schedule()
         for r in list(self.running):
-            if r in self.running and not r.prefilling and self._grow_or_preempt(r, r.num_computed + 1):
+            if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + self.lookahead,
+                                                                                      r.capacity)):
                 batch.decodes.append(r)
-        budget = self.max_batch_tokens - len(batch.decodes)
+        budget = self.max_batch_tokens - len(batch.decodes) * self.decode_tokens
         for r in self.running:
             if r.prefilling and budget > 0:
                 # Prompt chunks take only free pages: preempting here could evict a request already scheduled.

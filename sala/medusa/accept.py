@@ -1,0 +1,77 @@
+"""Which drafted tokens a verify step keeps: one accepted root-to-node path per request.
+
+Node i (i >= 1) of a request's tree is acceptable given its parent's logits:
+- greedy requests (temperature 0): its token is the argmax of the parent's logits, so the
+  accepted path is exactly what greedy decoding would produce (lossless);
+- sampled requests, Medusa's typical acceptance: its token's probability under the parent's
+  distribution (the request's temperature, top-k and top-p applied) exceeds
+  min(threshold, alpha * exp(-entropy)); not distribution-preserving, as in Medusa.
+A path is accepted up to its first unacceptable node; the longest wins, ties (sampled
+requests only: a greedy chain is unique) broken by the accepted tokens' summed log-probability.
+The root is always kept (the base model chose it). The bonus token, sampled from the last
+accepted node's logits, becomes the next step's root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sala.engine.params import SamplingParams
+from sala.engine.sampling import filtered_probs
+from sala.medusa.tree import MedusaTree
+
+TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
+TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha (delta ~ sqrt(epsilon))
+
+
+@dataclass
+class Accepted:
+    paths: torch.Tensor  # [R, P] node indices of the chosen root-to-leaf row, root first
+    lengths: torch.Tensor  # [R] nodes kept, root included (1 .. P)
+
+    def last_nodes(self) -> torch.Tensor:
+        return self.paths.gather(1, (self.lengths - 1)[:, None])[:, 0]
+
+
+def node_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams],
+                    threshold: float = TYPICAL_THRESHOLD, alpha: float = TYPICAL_ALPHA) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [R, T], logits [R, T, V] fp32 -> (ok [R, T] bool, logp [R, T]: each node token's
+    log-probability under its parent's distribution; the root's entries are True and 0)."""
+    r, t, _ = logits.shape
+    parents = tree.parents.clamp(min=0)
+    parent_logits = logits[:, parents]  # [R, T, V]
+    ok = tokens == parent_logits.argmax(-1)
+    logp = torch.zeros(r, t, device=logits.device)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = filtered_probs(parent_logits[rows].flatten(0, 1), [params[i] for i in sampled for _ in range(t)])
+        probs = probs.view(len(sampled), t, -1)
+        p_tok = probs.gather(-1, tokens[rows][..., None])[..., 0]
+        entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)
+        ok[rows] = p_tok > torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+        logp[rows] = torch.log(p_tok.clamp(min=1e-30))
+    ok[:, 0] = True
+    logp[:, 0] = 0
+    return ok, logp
+
+
+def accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams],
+           max_nodes: torch.Tensor | None = None, threshold: float = TYPICAL_THRESHOLD,
+           alpha: float = TYPICAL_ALPHA) -> Accepted:
+    """The accepted path of every request. `max_nodes` [R] caps the nodes kept (a request near
+    its max_tokens cannot use a longer path)."""
+    ok, logp = node_acceptable(tree, tokens, logits, params, threshold, alpha)
+    retrieve = tree.retrieve_indices  # [L, P], -1 padded
+    valid = retrieve >= 0
+    idx = retrieve.clamp(min=0)
+    path_ok = ok[:, idx] & valid  # [R, L, P]
+    if max_nodes is not None:
+        path_ok &= torch.arange(retrieve.shape[1], device=ok.device)[None, None] < max_nodes[:, None, None]
+    kept = path_ok.long().cumprod(-1)
+    lengths = kept.sum(-1)  # [R, L] >= 1: the root is always acceptable
+    score = (logp[:, idx] * kept).sum(-1)
+    longest = lengths == lengths.max(-1, keepdim=True).values
+    best = torch.where(longest, score, torch.full_like(score, float("-inf"))).argmax(-1)
+    return Accepted(retrieve[best], lengths.gather(1, best[:, None])[:, 0])

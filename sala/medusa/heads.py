@@ -1,0 +1,136 @@
+"""Medusa heads: K extra next-next-... token predictors on the base model's last hidden state.
+
+Head k (0-based) reads the tensor that feeds lm_head (after the final norm and the muP
+division by hidden_size / dim_model_base) at position t and predicts token t + k + 2 (lm_head
+itself predicts t + 1). Each head is `num_layers` residual blocks x + SiLU(W1 x + b), W1
+zero-initialised so an untrained head starts as "lm_head on h_t", then a vocabulary
+projection: its own (initialised from lm_head) or lm_head itself (`shared_lm_head`, Medusa-2's
+choice: it saves (K - 1) V d parameters and speculates as well).
+
+On disk, in a checkpoint's `medusa/`: config.json (this config with the tree), heads.safetensors
+and a manifest, written atomically. Loading checks the heads against the model they will run
+on (hidden size, vocabulary) and the tree against the heads (depth, top-k).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from sala.checkpoint import CheckpointError, atomic_directory, verify_manifest, write_manifest
+from sala.medusa.tree import MC_SIM_7B_63, MedusaTree, build_tree
+
+MEDUSA_DIR = "medusa"
+WEIGHTS = "heads.safetensors"
+
+
+@dataclass
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    topk: int = 10
+    tree: list[list[int]] = field(default_factory=lambda: [list(p) for p in MC_SIM_7B_63])
+    max_tree_nodes: int = 256
+
+    def build_tree(self) -> MedusaTree:
+        return build_tree(self.tree, self.topk, self.num_heads, self.max_tree_nodes)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)  # identity at init; the bias keeps torch's default
+
+    def forward(self, x):
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaConfig, lm_head: nn.Linear | None = None):
+        super().__init__()
+        self.config = config
+        self.tree = config.build_tree()  # validated here, so a bad tree fails at load, not mid-decode
+        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
+                                    for _ in range(config.num_heads))
+        self.proj = None
+        if not config.shared_lm_head:
+            self.proj = nn.ModuleList(nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                                      for _ in range(config.num_heads))
+            if lm_head is not None:
+                with torch.no_grad():
+                    for p in self.proj:
+                        p.weight.copy_(lm_head.weight.float())
+
+    def forward(self, x: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """x: [..., hidden] (already divided by the muP logit divisor) -> fp32 logits [K, ..., V]."""
+        outs = []
+        for k, block in enumerate(self.blocks):
+            h = block(x.to(block[0].linear.weight.dtype)) if len(block) else x
+            proj = lm_head if self.proj is None else self.proj[k]
+            outs.append(proj(h.to(_weight_dtype(proj))).float())
+        return torch.stack(outs)
+
+    def draft_tokens(self, x: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """x [N, hidden] -> each head's top-k tokens [N, K, topk], most likely first."""
+        return self(x, lm_head).topk(self.config.topk, dim=-1).indices.transpose(0, 1)
+
+    # ------------------------------------------------------------------ disk
+    def save(self, checkpoint_dir: str | Path, overwrite: bool = True) -> Path:
+        """Write `checkpoint_dir/medusa/` atomically; returns that directory."""
+        target = Path(checkpoint_dir) / MEDUSA_DIR
+        with atomic_directory(target, overwrite=overwrite) as tmp:
+            (tmp / "config.json").write_text(json.dumps(asdict(self.config), indent=2))
+            save_file({k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()},
+                      str(tmp / WEIGHTS), metadata={"format": "pt"})
+            write_manifest(tmp, producer={"name": "sala.medusa"})
+        return target.absolute()
+
+
+def _weight_dtype(module: nn.Module) -> torch.dtype:
+    w = getattr(module, "weight", None)
+    return w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() else torch.float32
+
+
+def has_medusa(checkpoint_dir: str | Path) -> bool:
+    return (Path(checkpoint_dir) / MEDUSA_DIR / "config.json").exists()
+
+
+def load_heads(path: str | Path, model_config, device="cpu", dtype: torch.dtype = torch.float32,
+               tree: list[list[int]] | None = None) -> MedusaHeads:
+    """Heads from a checkpoint directory (or its `medusa/` itself) for a model with `model_config`;
+    `tree` replaces the saved tree. Raises CheckpointError naming a mismatch."""
+    path = Path(path)
+    directory = path if (path / WEIGHTS).exists() else path / MEDUSA_DIR
+    if not (directory / "config.json").exists():
+        raise CheckpointError(f"{directory}: no Medusa heads here (expected config.json and {WEIGHTS})")
+    verify_manifest(directory)
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+        config = MedusaConfig(**raw)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"{directory / 'config.json'}: not a Medusa config ({e})") from e
+    if tree is not None:
+        config.tree = [list(p) for p in tree]
+    for name in ("hidden_size", "vocab_size"):
+        ours, theirs = getattr(config, name), getattr(model_config, name)
+        if ours != theirs:
+            raise CheckpointError(f"{directory}: Medusa heads were trained for {name}={ours}, but the model has "
+                                  f"{name}={theirs} (heads from another model?)")
+    heads = MedusaHeads(config)  # validates the tree against the heads' depth and top-k
+    state = load_file(str(directory / WEIGHTS))
+    missing = set(heads.state_dict()) - set(state)
+    extra = set(state) - set(heads.state_dict())
+    if missing or extra:
+        raise CheckpointError(f"{directory / WEIGHTS}: tensors do not match the config "
+                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
+    heads.load_state_dict(state)
+    return heads.to(device=device, dtype=dtype).eval()

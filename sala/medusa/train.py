@@ -1,0 +1,340 @@
+"""Training Medusa heads on a frozen backbone (Medusa-1).
+
+Data: rows of text with a task type (sala/eval/calibration.py's Row). Each row gives windows of
+`prompt_len` tokens; with self-distillation (the default) the model's own continuation of each
+window (greedy, or sampled at `temperature`) replaces the text after it, so the heads learn
+what the model will actually say; otherwise the given text is used as it is.
+
+Loss: head k (0-based) at position t is trained to predict token t + k + 2, weighted
+decay^(k+1) (0.8^k for head k = 1..K in the paper's numbering): far heads are harder and
+matter less, since they only count once every nearer head was right.
+
+Validation-matched weighting: training rows are drawn with weight p_val(bucket) / p_train(bucket)
+over buckets of (task type, length bin), the length bins cut at the validation set's length
+quartiles (from calibration.analyse), so the training mix matches the validation mix the heads
+will be judged on instead of whatever the source happens to hold.
+
+The backbone is frozen, so it runs once per row under no_grad (`encode`) and its hidden states
+are kept (rows x seq_len x hidden fp32: 40 MB for tiny-sala's 600 windows, so a large model
+trains on shards of rows at a time); only the heads (and, unless shared, their vocabulary
+projections) get gradients. State (heads, optimizer, step, sampler position) is
+saved as safetensors + JSON every `checkpoint_every` steps, so a run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from sala.eval.calibration import Row, analyse
+from sala.medusa.heads import MedusaHeads
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 1e-3  # Medusa's: the backbone is frozen, so ~50x a full fine-tune's
+    weight_decay: float = 0.0
+    warmup: int = 20
+    decay: float = 0.8
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------ data
+@dataclass
+class Sequence:
+    ids: list[int]
+    task: str
+    chars: int  # length of the source row, for length bins
+
+
+def windows(rows: list[Row], tokenizer, prompt_len: int, seq_len: int, per_row: int) -> tuple[list[Sequence], list[list[int]]]:
+    """Up to `per_row` windows of seq_len tokens per row (BOS first); also each window's first
+    prompt_len tokens (the prompts a self-distillation run continues)."""
+    seqs, prompts = [], []
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    for r in rows:
+        ids = tokenizer(r.text, add_special_tokens=False, verbose=False)["input_ids"]
+        body = seq_len - len(bos)
+        starts = list(range(0, max(len(ids) - body, 0) + 1, body))[:per_row] if len(ids) >= prompt_len else []
+        for s in starts:
+            w = bos + ids[s : s + body]
+            seqs.append(Sequence(w, r.task, len(r.text)))
+            prompts.append(w[:prompt_len])
+    return seqs, prompts
+
+
+def self_distilled(seqs: list[Sequence], continuations: list[list[int]], prompt_len: int) -> list[Sequence]:
+    """Each window's prompt followed by the model's own continuation of it."""
+    return [Sequence(s.ids[:prompt_len] + list(c), s.task, s.chars) for s, c in zip(seqs, continuations)]
+
+
+def length_edges(val: list[Row]) -> list[float]:
+    lc = analyse(val).length_chars
+    return sorted({lc["p10"], lc["p50"], lc["p90"]})
+
+
+def bucket(task: str, chars: int, edges: list[float]) -> tuple[str, int]:
+    return task, sum(chars > e for e in edges)
+
+
+def matched_weights(train: list[Sequence], val: list[Row]) -> list[float]:
+    """Row weights making the (task, length bin) mix of `train` that of `val`. Buckets the
+    validation set lacks get weight 0; raises if no training row falls in any of its buckets."""
+    edges = length_edges(val)
+    val_mix = analyse([Row(r.text, "|".join(map(str, bucket(r.task, len(r.text), edges)))) for r in val]).proportions
+    train_keys = ["|".join(map(str, bucket(s.task, s.chars, edges))) for s in train]
+    train_count: dict[str, int] = {}
+    for k in train_keys:
+        train_count[k] = train_count.get(k, 0) + 1
+    weights = [val_mix.get(k, 0.0) / train_count[k] for k in train_keys]
+    if not any(weights):
+        raise ValueError("no training row shares a (task type, length) bucket with the validation set: "
+                         "validation-matched weighting has nothing to draw")
+    return weights
+
+
+def batch_tensors(seqs: list[Sequence], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s.ids) for s in seqs)
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), n, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s.ids)] = torch.tensor(s.ids)
+        mask[i, : len(s.ids)] = True
+    return ids, mask
+
+
+@dataclass
+class Encoded:
+    """Rows through the frozen backbone: ids and mask [N, S], the heads' input hidden [N, S, d]."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    hidden: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+@torch.no_grad()
+def encode(model, seqs: list[Sequence], pad_id: int, batch_size: int = 32) -> Encoded:
+    ids, mask = batch_tensors(seqs, pad_id)
+    hidden = torch.cat([backbone_hidden(model, ids[i : i + batch_size]) for i in range(0, len(seqs), batch_size)])
+    return Encoded(ids, mask, hidden.float())
+
+
+class RowSampler:
+    """Batches of row indices drawn with replacement by row weight (uniform when None); its
+    position is part of the saved state, so a resumed run draws what the first would have."""
+
+    def __init__(self, n: int, weights: list[float] | None, batch_size: int, seed: int):
+        self.n, self.weights, self.batch_size, self.seed = n, weights, batch_size, seed
+        self.drawn = 0
+
+    def next(self) -> list[int]:
+        rng = random.Random(self.seed * 1_000_003 + self.drawn)
+        self.drawn += 1
+        return rng.choices(range(self.n), weights=self.weights, k=self.batch_size)
+
+
+# ------------------------------------------------------------------------------ loss and metrics
+@torch.no_grad()
+def backbone_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    """What lm_head and the heads read: the final hidden divided by the muP logit divisor."""
+    mask = torch.ones_like(ids)
+    return model.model(ids, attention_mask=mask) / model.config.logit_divisor
+
+
+def head_losses(heads: MedusaHeads, model, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor):
+    """Per-head cross-entropy [K] and top-1 / top-5 hits over valid positions. Head k at t -> token t + k + 2."""
+    logits = heads(hidden, model.lm_head)  # [K, B, S, V]
+    losses, top1, top5 = [], [], []
+    for k in range(logits.shape[0]):
+        shift = k + 2
+        lg, tgt = logits[k, :, :-shift], ids[:, shift:]
+        valid = mask[:, shift:] & mask[:, :-shift]
+        losses.append(F.cross_entropy(lg[valid], tgt[valid]))
+        ranks = lg[valid].topk(5, dim=-1).indices == tgt[valid][:, None]
+        top1.append(ranks[:, 0].float().mean())
+        top5.append(ranks.any(-1).float().mean())
+    return torch.stack(losses), torch.stack(top1), torch.stack(top5)
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, model, data: Encoded, batch_size: int = 32) -> dict:
+    """Per-head loss, top-1 and top-5 accuracy and per-rank accuracy [K, topk] (for greedy_tree) on `data`."""
+    k, topk = heads.config.num_heads, heads.config.topk
+    sums = torch.zeros(3, k)
+    rank_hits = torch.zeros(k, topk)
+    count = torch.zeros(k)
+    for i in range(0, len(data), batch_size):
+        ids, mask, hidden = data.ids[i : i + batch_size], data.mask[i : i + batch_size], data.hidden[i : i + batch_size]
+        logits = heads(hidden, model.lm_head)
+        for h in range(k):
+            shift = h + 2
+            valid = mask[:, shift:] & mask[:, :-shift]
+            lg, tgt = logits[h, :, :-shift][valid], ids[:, shift:][valid]
+            top = lg.topk(topk, dim=-1).indices == tgt[:, None]
+            n = tgt.numel()
+            sums[0, h] += F.cross_entropy(lg, tgt, reduction="sum")
+            sums[1, h] += top[:, 0].sum()
+            sums[2, h] += top[:, :5].any(-1).sum()
+            rank_hits[h] += top.sum(0)
+            count[h] += n
+    c = count.clamp(min=1)
+    return {"loss": (sums[0] / c).tolist(), "top1": (sums[1] / c).tolist(), "top5": (sums[2] / c).tolist(),
+            "rank_accuracy": (rank_hits / c[:, None]).tolist()}
+
+
+# ------------------------------------------------------------------------------ training
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def train_heads(heads: MedusaHeads, model, data: Encoded, sampler: RowSampler, cfg: TrainConfig,
+                state_dir: str | Path | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Train `heads` in place for cfg.steps (resuming from state_dir when it holds a saved state);
+    returns the per-step log rows ({step, loss, loss_k, top1_k, top5_k})."""
+    model.requires_grad_(False)
+    heads.train()
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    weights = torch.tensor([cfg.decay ** (k + 1) for k in range(heads.config.num_heads)])
+    start, history = 0, []
+    if state_dir is not None and (Path(state_dir) / "train_state.json").exists():
+        start, history = load_train_state(Path(state_dir), heads, opt, sampler)
+    for step in range(start, cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        rows = torch.tensor(sampler.next())
+        ids, mask, hidden = data.ids[rows], data.mask[rows], data.hidden[rows]
+        losses, top1, top5 = head_losses(heads, model, hidden, ids, mask)
+        loss = (losses * weights).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        row = {"step": step + 1, "loss": loss.item(), **{f"loss_{k}": v for k, v in enumerate(losses.tolist())},
+               **{f"top1_{k}": v for k, v in enumerate(top1.tolist())}, **{f"top5_{k}": v for k, v in enumerate(top5.tolist())}}
+        history.append(row)
+        if state_dir is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+            save_train_state(Path(state_dir), heads, opt, sampler, step + 1, history, cfg)
+        if on_step is not None:
+            on_step(step + 1, row)
+    heads.eval()
+    return history
+
+
+def save_train_state(directory: Path, heads: MedusaHeads, opt, sampler: RowSampler, step: int, history: list[dict],
+                     cfg: TrainConfig) -> None:
+    """Heads and AdamW moments as safetensors, the rest as JSON; each file replaced atomically
+    (written under a temporary name, then renamed), the JSON last, so a crash leaves the previous state."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {f"heads.{k}": v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    names = dict(heads.named_parameters())
+    index = {id(p): n for n, p in names.items()}
+    for p, state in opt.state.items():
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt.{index[id(p)]}.{key}"] = v.detach().cpu().contiguous()
+    tmp = directory / "train_state.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(directory / "train_state.safetensors")
+    meta = {"step": step, "sampler_drawn": sampler.drawn, "history": history, "config": asdict(cfg)}
+    tmp = directory / "train_state.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(directory / "train_state.json")
+
+
+def load_train_state(directory: Path, heads: MedusaHeads, opt, sampler: RowSampler) -> tuple[int, list[dict]]:
+    meta = json.loads((directory / "train_state.json").read_text())
+    tensors = load_file(str(directory / "train_state.safetensors"))
+    heads.load_state_dict({k.removeprefix("heads."): v for k, v in tensors.items() if k.startswith("heads.")})
+    for name, p in heads.named_parameters():
+        state = {key.rsplit(".", 1)[1]: v for key, v in tensors.items() if key.startswith(f"opt.{name}.")
+                 and key.count(".") == name.count(".") + 2}
+        if state:
+            opt.state[p] = state
+    sampler.drawn = meta["sampler_drawn"]
+    return meta["step"], meta["history"]
+
+
+# ------------------------------------------------------------------------------ accept length
+def accept_length(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    """Mean tokens per verify step (bonus included) of a Medusa engine decoding `prompts` greedily."""
+    from sala.engine import SamplingParams
+
+    before = (engine.spec.verify_steps, engine.spec.accepted_tokens)
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    steps = engine.spec.verify_steps - before[0]
+    return 1 + (engine.spec.accepted_tokens - before[1]) / max(steps, 1)
+
+
+# ------------------------------------------------------------------------------ one call
+@dataclass
+class DataConfig:
+    prompt_len: int = 32
+    seq_len: int = 128
+    windows_per_row: int = 8
+    self_distill: bool = True  # False: train on the given text
+    temperature: float = 0.0  # of the self-distilled continuations (0: greedy)
+    weighting: str = "matched"  # or "uniform"
+
+
+def distill(engine, seqs: list[Sequence], prompts: list[list[int]], data: DataConfig) -> list[Sequence]:
+    """The model's own continuations of each window's prompt, through the serving engine."""
+    from sala.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=data.seq_len - data.prompt_len, temperature=data.temperature, ignore_eos=True,
+                            seed=0 if data.temperature else None)
+    outs = engine.generate(prompts, params)
+    return self_distilled(seqs, [o.token_ids for o in outs], data.prompt_len)
+
+
+def prepare(engine, rows: list[Row], data: DataConfig, per_row: int | None = None) -> list[Sequence]:
+    seqs, prompts = windows(rows, engine.tokenizer, data.prompt_len, data.seq_len, per_row or data.windows_per_row)
+    if not seqs:
+        raise ValueError(f"no row has the {data.prompt_len} tokens a window's prompt needs")
+    return distill(engine, seqs, prompts, data) if data.self_distill else seqs
+
+
+def row_weights(seqs: list[Sequence], val_rows: list[Row], weighting: str) -> list[float] | None:
+    if weighting == "uniform":
+        return None
+    if weighting == "matched":
+        return matched_weights(seqs, val_rows)
+    raise ValueError(f"weighting must be 'matched' or 'uniform', got {weighting!r}")
+
+
+def write_medusa_checkpoint(model_dir: str | Path, heads: MedusaHeads, output: str | Path, overwrite: bool = False,
+                            producer: dict | None = None, metrics: dict | None = None) -> Path:
+    """`output` = the model checkpoint at `model_dir` (its files copied) plus `medusa/`, written
+    atomically with a fresh manifest over both."""
+    import shutil
+
+    from sala.checkpoint import MANIFEST, atomic_directory, verify_manifest, write_manifest
+    from sala.medusa.heads import MEDUSA_DIR
+
+    model_dir = Path(model_dir)
+    verify_manifest(model_dir)
+    with atomic_directory(output, overwrite=overwrite) as tmp:
+        for f in model_dir.iterdir():
+            if f.name in (MANIFEST, MEDUSA_DIR) or f.name.startswith("."):
+                continue
+            (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
+        heads.save(tmp)
+        (tmp / MEDUSA_DIR / MANIFEST).unlink()  # the checkpoint's own manifest covers medusa/ (nested ones are refused)
+        write_manifest(tmp, producer, metrics)
+    return Path(output).absolute()

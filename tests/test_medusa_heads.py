@@ -1,0 +1,60 @@
+"""Medusa heads: the block at init, save/load round trip, and the load-time errors."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sala.checkpoint import CheckpointError
+from sala.medusa.heads import MedusaConfig, MedusaHeads, load_heads
+from sala.medusa.tree import InvalidTree
+
+
+def lm_head(hidden=16, vocab=50):
+    return torch.nn.Linear(hidden, vocab, bias=False)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_untrained_head_is_lm_head_after_a_zero_weight_block(shared):
+    head = lm_head()
+    heads = MedusaHeads(MedusaConfig(16, 50, num_heads=4, shared_lm_head=shared), head)
+    x = torch.randn(3, 16)
+    out = heads(x, head)
+    assert out.shape == (4, 3, 50)
+    for k in range(4):
+        bias = heads.blocks[k][0].linear.bias
+        torch.testing.assert_close(out[k], head(x + F.silu(bias)))  # W1 = 0: x + SiLU(b)
+    assert (heads.proj is None) == shared
+    drafts = heads.draft_tokens(x, head)
+    assert drafts.shape == (3, 4, 10) and torch.equal(drafts[:, 0], out[0].topk(10).indices)
+
+
+def test_save_load_round_trip_and_mismatches(tmp_path):
+    head = lm_head()
+    heads = MedusaHeads(MedusaConfig(16, 50, num_heads=4, num_layers=2, shared_lm_head=False), head)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    heads.save(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "medusa").iterdir()) == ["config.json", "heads.safetensors", "manifest.json"]
+    model_config = SimpleNamespace(hidden_size=16, vocab_size=50)
+    loaded = load_heads(tmp_path, model_config)
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(loaded(x, head), heads(x, head))
+    assert loaded.tree.num_nodes == 64 and loaded.blocks[0][0] is not loaded.blocks[0][1]  # independent layers
+    with pytest.raises(CheckpointError, match="hidden_size=16, but the model has hidden_size=32"):
+        load_heads(tmp_path, SimpleNamespace(hidden_size=32, vocab_size=50))
+    with pytest.raises(CheckpointError, match="vocab_size=50, but the model has vocab_size=64"):
+        load_heads(tmp_path, SimpleNamespace(hidden_size=16, vocab_size=64))
+    with pytest.raises(InvalidTree, match="prefix"):
+        load_heads(tmp_path, model_config, tree=[[0], [1, 1]])
+    cfg = json.loads((tmp_path / "medusa/config.json").read_text())
+    (tmp_path / "medusa/config.json").write_text(json.dumps({**cfg, "tree": [[0, 0, 0, 0, 0]]}))
+    with pytest.raises(CheckpointError, match="manifest.json says"):  # the manifest catches an edited file
+        load_heads(tmp_path, model_config)
+    (tmp_path / "medusa/manifest.json").unlink()
+    with pytest.raises(InvalidTree, match="5 deep but there are only 4 heads"):
+        load_heads(tmp_path, model_config)
+    with pytest.raises(CheckpointError, match="no Medusa heads"):
+        load_heads(tmp_path / "elsewhere", model_config)
