@@ -286,7 +286,9 @@ class SalaServer:
     async def models(self, request: Request) -> Response:
         async def handler(_):
             return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "sala",
-                                                             "max_model_len": self.max_model_len} for name in self.names]})
+                                                             "max_model_len": self.max_model_len,
+                                                             "vocab_size": self.engine.engine.config.vocab_size}
+                                                            for name in self.names]})
 
         return await self._handle("models", request, None, handler)
 
