@@ -85,7 +85,7 @@ def source_from(args, prefix: str = ""):
     if url:
         return HTTPSource(url, args.api, model=args.served_model, api_key=args.api_key, vocab_size=args.vocab_size,
                           timeout=args.timeout, retries=args.retries)
-    from pipelines.registry import model_name, resolve_model_path
+    from registry.models import model_name, resolve_model_path
     from sala.eval.engine_source import EngineSource
 
     path = resolve_model_path(model)
@@ -219,7 +219,7 @@ def kl_figure(reports: dict, drift):
 def log_mlflow(args, reports: dict, drift, worst: list[dict], gate: bool | None, seconds: float) -> None:
     import mlflow
 
-    from pipelines.tracking import setup_mlflow
+    from registry.tracking import setup_mlflow
 
     setup_mlflow(args.experiment)
     with mlflow.start_run(run_name=f"evaluate-{reports[next(iter(reports))].meta['model']}"):
@@ -308,8 +308,8 @@ def main(argv=None) -> int:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # model specs, datasets, tracking: each raises with a message naming the problem
-        from pipelines.registry import ModelSpecError
-        from pipelines.tracking import TrackingError
+        from registry.models import ModelSpecError
+        from registry.tracking import TrackingError
         from sala.checkpoint import CheckpointError
         from sala.eval.calibration import DatasetError
 
