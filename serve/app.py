@@ -5,8 +5,8 @@
 
 One deployment holds one engine and its FastAPI ingress, so tokens go from the engine's step
 thread to the HTTP stream without crossing processes. Endpoints: /v1/models,
-/v1/completions, /v1/chat/completions, /generate, /abort_request, /get_model_info,
-/get_server_info (SGLang's), /health and /metrics (Prometheus).
+/v1/completions, /v1/chat/completions, /generate, /tokenize, /detokenize, /abort_request,
+/get_model_info, /get_server_info (SGLang's), /health and /metrics (Prometheus).
 With SALA_API_KEY set (or `api_key=`), every endpoint but /health and /metrics needs
 `Authorization: Bearer KEY`.
 The served model is named after the checkpoint (the registered model, or the directory) unless
@@ -50,7 +50,9 @@ from serve.protocol import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeRequest,
     TokenText,
     chat_logprobs,
     completion_logprobs,
@@ -58,6 +60,7 @@ from serve.protocol import (
     sglang_finish_reason,
     sglang_logprobs,
     spec_stats,
+    token_id_text,
     usage,
 )
 
@@ -335,7 +338,9 @@ class SalaServer:
     async def models(self, request: Request) -> Response:
         async def handler(_):
             return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "sala",
-                                                             "max_model_len": self.max_model_len} for name in self.names]})
+                                                             "max_model_len": self.max_model_len,
+                                                             "vocab_size": self.engine.engine.config.vocab_size}
+                                                            for name in self.names]})
 
         return await self._handle("models", request, None, handler)
 
@@ -394,36 +399,94 @@ class SalaServer:
         if user is not None:  # OpenAI's `user`: who asked, for abuse monitoring
             log.info("%s for user %r", rid, user)
 
+    @api.post("/tokenize")
+    @api.post("/v1/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._handle("tokenize", request, TokenizeRequest, self._tokenize)
+
+    @api.post("/detokenize")
+    @api.post("/v1/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._handle("detokenize", request, DetokenizeRequest, self._detokenize)
+
+    async def _tokenize(self, body: TokenizeRequest) -> Response:
+        """As vLLM and SGLang answer: {tokens, count, max_model_len} (lists of them for a list of prompts)."""
+        self._check_model(body.model)
+        texts, batched = body.texts(lambda m, **kw: self.tokenizer.apply_chat_template(m, tokenize=False, **kw))
+        ids = [self.tokenizer(t, add_special_tokens=body.add_special_tokens)["input_ids"] for t in texts]
+        out = {"tokens": ids, "count": [len(x) for x in ids], "max_model_len": self.max_model_len}
+        if body.return_token_strs:
+            out["token_strs"] = [self.tokenizer.convert_ids_to_tokens(x) for x in ids]
+        return JSONResponse(out if batched else {k: v if k == "max_model_len" else v[0] for k, v in out.items()})
+
+    async def _detokenize(self, body: DetokenizeRequest) -> Response:
+        """As vLLM ({"prompt"}) and SGLang ({"text"}) answer, both keys; a list of lists gives lists."""
+        self._check_model(body.model)
+        batched = bool(body.tokens) and isinstance(body.tokens[0], list)
+        seqs = body.tokens if batched else [body.tokens]
+        vocab = self.engine.engine.config.vocab_size
+        if any(not 0 <= t < vocab for seq in seqs for t in seq):
+            raise InvalidParam("tokens", f"token ids must be in [0, {vocab})")
+        texts = [self.tokenizer.decode(seq, skip_special_tokens=body.skip_special_tokens) for seq in seqs]
+        text = texts if batched else texts[0]
+        return JSONResponse({"prompt": text, "text": text})
+
     async def _completions(self, body: CompletionRequest) -> Response:
         start = time.perf_counter()
         name = self._check_model(body.model)
         prompts = body.prompts()
         n = body.choices_per_prompt
-        streams = self._submit(prompts, n, lambda ids: body.sampling(self._max_tokens(body.max_tokens, 16, len(ids)), body.logprobs))
+        with_logprobs = body.logprobs is not None
+        # echo with max_tokens 0 scores the prompt alone (as vLLM): the engine samples one token, left out.
+        score_only = body.echo and body.max_tokens == 0
+
+        def params_for(ids: list[int]) -> SamplingParams:
+            params = body.sampling(1 if score_only else self._max_tokens(body.max_tokens, 16, len(ids)), body.logprobs)
+            return replace(params, prompt_logprobs_start=0) if body.echo and with_logprobs else params
+
+        streams = self._submit(prompts, n, params_for)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self._log_user(rid, body.user)
         head = {"id": rid, "object": "text_completion", "created": created, "model": name}
         choices = self._choices(streams)
         prompt_tokens = sum(s.num_prompt_tokens for s in streams[::n])  # each prompt once, whatever n (as OpenAI)
+        text_of = token_id_text if body.return_tokens_as_token_ids else self.text_of
+        sent = [""] * len(streams)  # each choice's text so far, echoed prompt included
+        lps: list[dict | None] = [None] * len(streams)
+
+        def piece(i: int, out: RequestOutput) -> dict:
+            """Choice i's part of this output; the echoed prompt (text, logprobs) comes before its first one."""
+            first = not choices[i].token_ids
+            if score_only:
+                out = replace(out, token_ids=[], text="", logprobs=[], finish_reason="length" if out.finished else None)
+            choices[i].add(out)
+            text, entries, first_token = out.text, out.logprobs, None
+            if body.echo and first:
+                prompt, ids = prompts[i // n], streams[i].request.prompt_ids
+                text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) + text
+                entries, first_token = out.prompt_logprobs + entries, ids[0]
+            lp = completion_logprobs(text_of, entries, len(sent[i]), first_token) if with_logprobs else None
+            sent[i] += text
+            if lp is not None:
+                lps[i] = lp if lps[i] is None else {k: lps[i][k] + lp[k] for k in lp}
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                    "stop_reason": choices[i].stop_reason}
+
         if body.stream:
             async def events():
                 for_usage = body.stream_options and body.stream_options.include_usage
                 async for i, out in self._merged(streams, start):
-                    offset = len(choices[i].text)
-                    choices[i].add(out)
-                    lp = completion_logprobs(self.text_of, out.logprobs, offset) if body.logprobs is not None else None
-                    yield sse({**head, "choices": [{"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
-                                                    "stop_reason": choices[i].stop_reason}]})
+                    yield sse({**head, "choices": [piece(i, out)]})
                 if for_usage:
-                    yield sse({**head, "choices": [], "usage": usage(choices, prompt_tokens, body.n)})
+                    yield sse({**head, "choices": [], "usage": usage(choices, prompt_tokens, n)})
 
             return self._stream(events())
         async for i, out in self._merged(streams, start):
-            choices[i].add(out)
+            piece(i, out)
         return JSONResponse({**head, "choices": [
-            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-             "logprobs": completion_logprobs(self.text_of, c.logprobs, 0) if body.logprobs is not None else None}
-            for c in choices], "usage": usage(choices, prompt_tokens, body.n)})
+            {"index": c.index, "text": sent[c.index], "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+             "logprobs": lps[c.index]}
+            for c in choices], "usage": usage(choices, prompt_tokens, n)})
 
     async def _chat(self, body: ChatCompletionRequest) -> Response:
         start = time.perf_counter()

@@ -10,7 +10,7 @@ naming it, as OpenAI answers an unrecognized argument.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -112,13 +112,14 @@ class _OpenAISampling(_Body):
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt before the completion, with its logprobs (the first null) when logprobs is set
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprob tokens as "token_id:<id>", never ambiguous
     suffix: str | None = None
     best_of: int | None = None  # 1 (or none) only, as load testers send it
 
     def prompts(self) -> list[str | list[int]]:
-        if self.echo or self.suffix is not None or self.best_of not in (None, 1):
-            field = "echo" if self.echo else "suffix" if self.suffix is not None else "best_of"
+        if self.suffix is not None or self.best_of not in (None, 1):
+            field = "suffix" if self.suffix is not None else "best_of"
             raise InvalidParam(field, f"{field} is not supported by this server")
         p = self.prompt
         out = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
@@ -168,6 +169,34 @@ class ChatCompletionRequest(_OpenAISampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParam("top_logprobs", "top_logprobs requires logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's and SGLang's /tokenize: a prompt (SGLang: or a list of them) or chat messages (vLLM)."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # for messages, as vLLM
+    return_token_strs: bool = False  # vLLM
+
+    def texts(self, chat_template) -> tuple[list[str], bool]:
+        """-> (texts, batched): the texts to tokenize, and whether the answer is a list of them."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidParam("prompt", "give exactly one of prompt or messages")
+        if self.messages is not None:
+            return [chat_template([{"role": m.role, "content": m.text()} for m in self.messages],
+                                  add_generation_prompt=self.add_generation_prompt)], False
+        return ([self.prompt], False) if isinstance(self.prompt, str) else (list(self.prompt), True)
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's and SGLang's /detokenize: token ids (SGLang: or a list of lists) -> text."""
+
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = False  # as given: the text the ids stand for
 
 
 class GenerateSampling(_Body):
@@ -323,14 +352,24 @@ class TokenText:
         return self.cache[token_id]
 
 
-def completion_logprobs(text_of: TokenText, entries: list[TokenLogprob], offset: int) -> dict:
-    tokens = [text_of(e.token_id) for e in entries]
+def token_id_text(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids spelling: distinct ids stay distinct keys whatever their text."""
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(text_of: Callable[[int], str], entries: list[TokenLogprob], offset: int,
+                        first_token: int | None = None) -> dict:
+    """OpenAI completion logprobs of `entries`; an echoed prompt passes its first token, which has no
+    logprob and comes first with nulls (as vLLM and SGLang answer, and lm-evaluation-harness reads)."""
+    head = [] if first_token is None else [first_token]
+    tokens = [text_of(t) for t in head + [e.token_id for e in entries]]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None] * len(head) + [e.logprob for e in entries],
+            "top_logprobs": [None] * len(head) + [{text_of(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 def chat_logprobs(text_of: TokenText, entries: list[TokenLogprob]) -> dict:

@@ -590,3 +590,106 @@ def test_metrics_count_preemptions_and_free_pages(tiny_sala_dir, local_engine):
     samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     assert samples["sala_preemptions_total"] == engine.num_preemptions > 0
     assert samples["sala_kv_pages_free"] == samples["sala_kv_pages"] == 8
+
+
+def full_forward_logprobs(engine, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's one full forward over ids: row p scores token p + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(engine.model(torch.tensor([ids]), use_cache=False).logits[0].float(), -1)
+
+
+def assert_prompt_logprobs(ref: torch.Tensor, ids: list[int], token_logprobs: list, top_ids: list[list[int]],
+                           top_lps: list[list[float]], k: int) -> None:
+    """Entry p is token p's logprob given the tokens before it (the first: none), with the k most likely."""
+    assert token_logprobs[0] is None and len(token_logprobs) >= len(ids)
+    for p in range(1, len(ids)):
+        row = ref[p - 1]
+        assert abs(token_logprobs[p] - row[ids[p]].item()) < 1e-4, p
+        want_lp, want_ids = row.topk(k)
+        assert len(top_ids[p]) == k
+        assert torch.allclose(torch.tensor(top_lps[p]), want_lp, atol=1e-4), p
+        # ties at the k-th place may order either way; the sets of clear winners must agree
+        clear = [t for t, lp in zip(want_ids.tolist(), want_lp.tolist()) if lp > want_lp[-1].item() + 1e-4]
+        assert set(clear) <= set(top_ids[p]), p
+
+
+def test_echo_logprobs_equal_full_forward_for_text_ids_and_batches(http, local_engine):
+    """/v1/completions echo + logprobs: every prompt token's logprob (the first null), then the
+    generated ones, as vLLM answers and lm-evaluation-harness's local-completions reads them."""
+    k = 8
+    prompts = [PROMPT, "def f(x):\n    return x"]
+    ids = [local_engine.encode(p) for p in prompts]
+    for prompt in (prompts[0], ids[0], ids):  # a string, a list of ids, a batch of lists
+        r = http.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": k, "max_tokens": 2,
+                                               "temperature": 0, "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        for c, seq_ids, text in zip(choices, ids, prompts):
+            lp = c["logprobs"]
+            gen = greedy_text(local_engine, seq_ids, 2)
+            seq = seq_ids + gen.token_ids
+            assert [int(t.removeprefix("token_id:")) for t in lp["tokens"]] == seq
+            # a string prompt comes back as given; ids as their text, special tokens included (as vLLM)
+            assert c["text"] == (text if isinstance(prompt, str) else local_engine.tokenizer.decode(seq_ids)) + gen.text
+            tops = [None] + [[int(t.removeprefix("token_id:")) for t in d] for d in lp["top_logprobs"][1:]]
+            top_lps = [None] + [list(d.values()) for d in lp["top_logprobs"][1:]]
+            assert_prompt_logprobs(full_forward_logprobs(local_engine, seq), seq, lp["token_logprobs"], tops, top_lps, k)
+    # lm-evaluation-harness's loglikelihood request: ids of context + continuation, max_tokens 1, token text keys
+    ctx, cont = ids[0][:3], ids[0][3:]
+    r = http.post("/v1/completions", json={"prompt": [ctx + cont], "echo": True, "logprobs": 1, "max_tokens": 1,
+                                           "temperature": 0}).json()
+    lp = r["choices"][0]["logprobs"]
+    ref = full_forward_logprobs(local_engine, ctx + cont)
+    want = sum(ref[p - 1, ids[0][p]].item() for p in range(len(ctx), len(ids[0])))
+    assert abs(sum(lp["token_logprobs"][len(ctx):-1]) - want) < 1e-4
+    assert lp["tokens"][: len(ctx)] == [local_engine.tokenizer.decode([t]) for t in ctx]
+    # echo with max_tokens 0 scores the prompt alone; streamed, the prompt comes in the first chunk
+    r = http.post("/v1/completions", json={"prompt": ids[0], "echo": True, "logprobs": 0, "max_tokens": 0}).json()
+    c = r["choices"][0]
+    assert len(c["logprobs"]["tokens"]) == len(ids[0]) and r["usage"]["completion_tokens"] == 0
+    assert c["text"] == local_engine.tokenizer.decode(ids[0]) and c["finish_reason"] == "length"
+    with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 3, "temperature": 0,
+                                                      "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"].startswith(PROMPT)
+    assert "".join(e["choices"][0]["text"] for e in events) == PROMPT + greedy_text(local_engine, PROMPT, 3).text
+
+
+def test_generate_input_top_logprobs_equal_full_forward(http, local_engine):
+    """SGLang's /generate, logprob_start_len 0: input_token_logprobs / input_top_logprobs as
+    [logprob, token_id, text] (the first entry null), for a batch of id lists."""
+    k = 6
+    ids = [local_engine.encode(PROMPT), local_engine.encode("Q: what is a dict?")]
+    r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                     "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": 0,
+                                     "return_text_in_logprobs": True})
+    assert r.status_code == 200, r.text
+    for out, seq in zip(r.json(), ids):
+        meta = out["meta_info"]
+        inp, top = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        assert [t for _, t, _ in inp] == seq and top[0] is None
+        assert inp[1][2] == local_engine.tokenizer.decode([seq[1]])
+        assert_prompt_logprobs(full_forward_logprobs(local_engine, seq), seq, [lp for lp, _, _ in inp],
+                               [None] + [[t for _, t, _ in e] for e in top[1:]],
+                               [None] + [[lp for lp, _, _ in e] for e in top[1:]], k)
+
+
+def test_tokenize_and_detokenize_as_vllm_and_sglang(http, server, local_engine):
+    ids = local_engine.encode(PROMPT)
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == local_engine.max_model_len
+    assert r["token_strs"] == local_engine.tokenizer.convert_ids_to_tokens(ids)
+    batch = http.post("/v1/tokenize", json={"prompt": [PROMPT, "Hello"]}).json()
+    assert batch["tokens"] == [ids, local_engine.encode("Hello")] and batch["count"] == [len(ids), len(batch["tokens"][1])]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    text = local_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == local_engine.encode(text)
+    d = http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert d["prompt"] == d["text"] == local_engine.tokenizer.decode(ids)
+    assert http.post("/v1/detokenize", json={"tokens": [ids, ids[:2]]}).json()["text"][1] == local_engine.tokenizer.decode(ids[:2])
+    bad = http.post("/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 404
+    assert http.post("/tokenize", json={}).status_code == 400
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "x"}).status_code == 401

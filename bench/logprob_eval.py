@@ -1,0 +1,144 @@
+"""Logprob evaluation: how fast it scores, and whether its cheap KL ranks models as perplexity does.
+
+    python bench/logprob_eval.py [--prompts 1000] [--positions 128] [--top-k 256] [--num-samples 64]
+
+1. Scoring speed on CPU: `divergence` over prompts x positions x top-k synthetic baseline/test
+   pairs (the vocabulary of the 9B model, 73,448), next to the reference, the full-vocabulary
+   KL in numpy over the same positions (timed on a slice and scaled: the whole would need
+   ~75 GB of float64).
+2. Ranking: tiny-sala's NVFP4 variants (RTN / GPTQ x M6 / FourOverSix), quantized as
+   `python -m sala.quant` does and loaded back, scored with the logprob tool against a BF16
+   baseline (engine, evaluation mode, built-in prompt set) and by held-out perplexity; the
+   Spearman rank correlation of the two orderings.
+"""
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sala.eval import logprob as lp  # noqa: E402
+
+VOCAB_9B = 73448
+VARIANTS = {"RTN-M6": ("rtn", "6"), "RTN-4/6": ("rtn", "4over6"), "GPTQ-M6": ("gptq", "6"), "GPTQ-4/6": ("gptq", "4over6")}
+
+
+def synthetic_pairs(rng, rows: int, k: int, vocab: int):
+    """Top-k of LM-like rows (Zipf ranks over a random permutation) and of a noisy copy."""
+    ids = np.stack([rng.choice(vocab, 2 * k, replace=False) for _ in range(min(rows, 256))])
+    ids = ids[rng.integers(0, len(ids), rows)]
+    base = -1.3 * np.log(np.arange(1, 2 * k + 1))[None, :] + 0.1 * rng.standard_normal((rows, 2 * k))
+    noisy = base + 0.05 * rng.standard_normal(base.shape)
+
+    def top(x):
+        x = x - np.log(np.exp(x).sum(1, keepdims=True)) - 0.01
+        order = np.argsort(-x, axis=1)[:, :k]
+        return np.take_along_axis(ids, order, 1).astype(np.int32), np.take_along_axis(x, order, 1).astype(np.float32)
+
+    return top(base), top(noisy)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def bench_speed(args) -> dict:
+    rng = np.random.default_rng(0)
+    rows = args.prompts * args.positions
+    (p_ids, p_lp), (q_ids, q_lp) = synthetic_pairs(rng, rows, args.top_k, VOCAB_9B)
+    t0 = time.perf_counter()
+    d = lp.divergence(p_ids, p_lp, q_ids, q_lp, VOCAB_9B)
+    ours = time.perf_counter() - t0
+    slice_rows = 256
+    full_p = rng.standard_normal((slice_rows, VOCAB_9B)).astype(np.float32)
+    full_q = full_p + 0.05 * rng.standard_normal(full_p.shape).astype(np.float32)
+    full_p -= np.log(np.exp(full_p).sum(1, keepdims=True))
+    full_q -= np.log(np.exp(full_q).sum(1, keepdims=True))
+    t0 = time.perf_counter()
+    lp.full_divergence(full_p, full_q)
+    full = (time.perf_counter() - t0) * rows / slice_rows
+    print(f"scoring {args.prompts} prompts x {args.positions} positions x top-{args.top_k} on CPU: {ours:.2f} s "
+          f"(mean KL {d.kl.mean():.2e}); full-vocabulary KL (V={VOCAB_9B}) over the same positions: {full:.1f} s; "
+          f"ratio {full / ours:.1f}x")
+    return {"score_seconds": round(ours, 3), "full_vocab_seconds": round(full, 2), "speedup": round(full / ours, 2),
+            "positions": rows}
+
+
+def bench_ranking(args) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipelines.evaluate import builtin_rows, tokenize_prompts
+    from sala.checkpoint import load_model
+    from sala.eval.calibration import calibration_sequences
+    from sala.eval.compare import compare_models, window_sequences
+    from sala.eval.engine_source import EngineSource
+    from sala.quant.export import export_checkpoint
+    from sala.quant.layerwise import quantize_model
+    from sala.tiny import ensure_tiny_sala, split_corpus, token_stream
+
+    torch.set_num_threads(1)
+    model_dir = ensure_tiny_sala(progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seqs = calibration_sequences(tokenizer, args.num_samples, 128)
+    _, heldout = split_corpus(10)
+    windows = window_sequences(token_stream(tokenizer, heldout), 128, 32)
+    model = load_model(model_dir, dtype=torch.float32)
+    reference = copy.deepcopy(model).to(torch.bfloat16).float()
+    ref = EngineSource.from_pretrained(model_dir)
+    prompts = tokenize_prompts(builtin_rows(64), lambda t: tokenizer(t)["input_ids"], 96)
+    t0 = time.perf_counter()
+    base = lp.collect_baseline(ref, prompts, max_new_tokens=32, batch_sizes=(8,))[8]
+    baseline_s = time.perf_counter() - t0
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant, (method, rule) in VARIANTS.items():
+            quantized, _ = quantize_model(copy.deepcopy(model), seqs, method, rule)
+            path = export_checkpoint(model, quantized, Path(tmp) / variant.replace("/", "over"), scale_rule=rule, method=method)
+            t0 = time.perf_counter()
+            s = lp.compare(base, EngineSource.from_pretrained(path), 8).summary()
+            score_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            q = compare_models(reference, load_model(path, dtype=torch.float32), windows)
+            ppl_s = time.perf_counter() - t0
+            rows.append({"variant": variant, "logprob_kl": s["kl_mean"], "flip_rate": s["flip_rate"], "ppl": q["ppl"],
+                         "ppl_bf16": q["ppl_reference"], "full_kl": q["kl_mean"], "score_s": score_s, "ppl_s": ppl_s})
+            print(f"  {variant}: logprob KL {s['kl_mean']:.5f}, ppl {q['ppl']:.3f}", file=sys.stderr, flush=True)
+    print(f"\nBF16 baseline: {len(base.sequences)} prompts, {len(base.top_ids)} positions x top-{base.top_ids.shape[1]} "
+          f"({baseline_s:.1f} s); perplexity on {windows[:, 1:].numel()} held-out tokens (BF16 {rows[0]['ppl_bf16']:.3f})")
+    print(f"{'variant':<10}{'logprob KL':>12}{'flips':>8}{'ppl':>10}{'held-out KL':>13}{'score s':>9}{'ppl s':>8}")
+    for r in rows:
+        print(f"{r['variant']:<10}{r['logprob_kl']:>12.5f}{r['flip_rate']:>8.2%}{r['ppl']:>10.3f}{r['full_kl']:>13.5f}"
+              f"{r['score_s']:>9.2f}{r['ppl_s']:>8.2f}")
+    rho_ppl = spearman([r["logprob_kl"] for r in rows], [r["ppl"] for r in rows])
+    rho_kl = spearman([r["logprob_kl"] for r in rows], [r["full_kl"] for r in rows])
+    print(f"Spearman rank correlation, logprob KL vs held-out perplexity: {rho_ppl:.2f}; vs held-out full-vocabulary KL: "
+          f"{rho_kl:.2f}")
+    return {"rows": [{k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
+            "spearman_kl_vs_ppl": round(rho_ppl, 3), "spearman_kl_vs_heldout_kl": round(rho_kl, 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=1000)
+    ap.add_argument("--positions", type=int, default=lp.LAST_POSITIONS)
+    ap.add_argument("--top-k", type=int, default=lp.TOP_K)
+    ap.add_argument("--num-samples", type=int, default=64, help="calibration rows per variant")
+    ap.add_argument("--skip-ranking", action="store_true", help="only the scoring speed")
+    args = ap.parse_args()
+    out = {"bench": "logprob_eval", **bench_speed(args)}
+    if not args.skip_ranking:
+        out |= bench_ranking(args)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
