@@ -11,13 +11,12 @@ Parameter names equal the real checkpoint's. There is one forward for two caller
 tokens as one row; each mixer then reads and writes the engine's K/V and state pools itself.
 For serving, `fuse_projections` turns q/k/v/gate and gate/up into one GEMM each.
 
-For contexts of at least `sparse_config.dense_len` tokens the official sparse layers switch to
-InfLLM-v2 block selection; this implementation always attends densely, which is exact below
-that length (tiny-sala's context is far below it) and warns once above it.
+From `sparse_config.dense_len` tokens on, the sparse layers switch to InfLLM-v2 block-sparse
+attention (sala/sparse.py), decided once per forward call as the official code does; below
+it they attend densely, which is exactly the official computation there.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -28,10 +27,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kernels.paged_attention import paged_decode_attention
-from sala import lightning
+from sala import lightning, sparse
 from sala.config import LIGHTNING, SALAConfig
-
-log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -179,6 +176,7 @@ class SparseAttention(QKVOProjections):
     def __init__(self, config: SALAConfig, layer_idx: int):
         super().__init__(config, layer_idx, config.num_attention_heads, config.num_key_value_heads,
                          config.hidden_size // config.num_attention_heads, config.attn_use_output_gate)
+        self.sparse = sparse.SparseSettings.of(config)
 
     def forward(self, x, rope, cache: SALACache | None, key_mask: torch.Tensor | None, context=None):
         q, k, v, gate = self.heads(x)
@@ -199,8 +197,11 @@ class SparseAttention(QKVOProjections):
         if cache is not None:
             past = cache.kv_length(self.layer_idx)
             k, v = cache.append_kv(self.layer_idx, k, v)
-        if k.shape[2] >= self.config.sparse_config["dense_len"]:
-            _warn_dense_fallback(k.shape[2], self.config.sparse_config["dense_len"])
+        # The official switch: kv_len = max(position_ids) + 1 of this call (the longest sequence).
+        if k.shape[2] >= self.sparse.dense_len:
+            kv_len = k.shape[2] if key_mask is None else int(key_mask[:, : k.shape[2]].sum(-1).max())
+            if kv_len >= self.sparse.dense_len:
+                return self.attend_batch_sparse(q, k, v, cache, key_mask, past)
         gqa = self.n_heads != self.n_kv
         if key_mask is None and (past == 0 or q.shape[2] == 1):
             # No padding, and either a fresh prefill or one decode token: the flash path needs no
@@ -208,6 +209,26 @@ class SparseAttention(QKVOProjections):
             return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and q.shape[2] > 1, enable_gqa=gqa)
         mask = causal_mask(q.shape[2], k.shape[2], past, key_mask, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def attend_batch_sparse(self, q, k, v, cache: SALACache | None, key_mask: torch.Tensor | None, past: int):
+        """InfLLM-v2 for a [B, T] call, one sequence at a time over its real (unpadded) tokens.
+        A call of one token after the first is a decode step; any other call is a prefill."""
+        t = q.shape[2]
+        prefill = t > 1 or past == 0
+        out = q.new_zeros(q.shape)
+        for b in range(q.shape[0]):
+            keys, values = k[b].transpose(0, 1), v[b].transpose(0, 1)  # [S, Hkv, D]: the cached layout
+            rows = slice(None)
+            if key_mask is not None:
+                real = key_mask[b, : k.shape[2]].bool()
+                keys, values, rows = keys[real], values[real], real[-t:]
+            qb = q[b][:, rows]
+            n = keys.shape[0]
+            compressed = (cache.compressed_keys(self.layer_idx, b, self.sparse) if cache is not None
+                          else sparse.CompressedKeys(self.sparse)).extend(keys)
+            out[b][:, rows] = sparse.infllm_v2_attention(qb, keys, values, *compressed, n - qb.shape[1],
+                                                         n if prefill else 0, self.sparse, self.head_dim**-0.5)
+        return out
 
     def attend_step(self, q, k, v, ctx):
         """One engine step's flat rows (q [1, Hq, N, D]) over the paged K/V pool; see sala/context.py."""
@@ -234,21 +255,6 @@ class SparseAttention(QKVOProjections):
                                                is_causal=mask is None, enable_gqa=gqa)
             outs.append(o[0])
         return _rows_with_padding(outs, q)
-
-
-_warned_dense = False
-
-
-def _warn_dense_fallback(kv_len: int, dense_len: int) -> None:
-    global _warned_dense
-    if not _warned_dense:
-        log.warning(
-            "context of %d tokens reaches sparse_config.dense_len=%d: attending densely, which differs "
-            "from the official InfLLM-v2 block selection at this length",
-            kv_len,
-            dense_len,
-        )
-        _warned_dense = True
 
 
 def causal_mask(t_q: int, t_k: int, past: int, key_mask: torch.Tensor | None, device) -> torch.Tensor:
@@ -377,6 +383,7 @@ class SALACache:
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     states: dict[int, torch.Tensor] = field(default_factory=dict)
+    compressed: dict[int, list[sparse.CompressedKeys]] = field(default_factory=dict)  # InfLLM-v2 K1/K2 per sequence
     first_sparse: int = 0
 
     def kv_length(self, layer_idx: int) -> int:
@@ -393,10 +400,19 @@ class SALACache:
         self.keys[layer_idx], self.values[layer_idx] = k, v
         return k, v
 
+    def compressed_keys(self, layer_idx: int, row: int, settings: sparse.SparseSettings) -> sparse.CompressedKeys:
+        """Sequence `row`'s compressed keys in a layer, made on its first sparse call and then extended."""
+        rows = self.compressed.setdefault(layer_idx, [])
+        while len(rows) <= row:
+            rows.append(sparse.CompressedKeys(settings))
+        return rows[row]
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for d in (self.keys, self.values, self.states):
             for i in d:
                 d[i] = d[i].index_select(0, beam_idx.to(d[i].device))
+        for i, rows in self.compressed.items():
+            self.compressed[i] = [rows[j].copy() for j in beam_idx.tolist()] if rows else rows
 
 
 class SALAPreTrainedModel(PreTrainedModel):
@@ -442,6 +458,9 @@ class SALAModel(SALAPreTrainedModel):
         elif position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = positions_from(attention_mask, b, t, past, h.device)
+        if context is None and t and int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(position_ids.max())} is past max_position_embeddings="
+                             f"{self.config.max_position_embeddings} (prompt plus cache too long for this model)")
         rope = self.rope(position_ids)
         for layer in self.layers:
             h = layer(h, rope, cache, attention_mask, t, context)
