@@ -13,7 +13,10 @@ for CUDA graphs). Each mixer reads the context, as nano-vllm's attention reads i
   as one padded batch, with `prefill_state_slots` / `prefill_lengths`).
 
 `cache` is the engine's CachePool: `k[layer]`, `v[layer]` [pages, page_size, kv_heads, head_dim]
-and `states[layer]` [slots, heads, d_k, d_v], each with one scratch page / slot at the end.
+and `states[layer]` [slots, heads, d_k, d_v], each with one scratch page / slot at the end; when
+a request can reach sparse_config.dense_len, also the InfLLM-v2 compressed keys `k1[layer]`,
+`k2[layer]` [pages * page_size / stride, kv_heads, head_dim] (sala/sparse.py), which sparse
+layers extend with the windows each step completes and read in the rows that attend sparsely.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class Span:
     past: int  # tokens of this request already in the cache
     state_slot: int = -1
     kv_rows: torch.Tensor | None = None  # [past + length] pool rows of positions 0 .. past + length - 1
+    prompt_len: int = 0  # the request's prompt length: InfLLM-v2 treats its prompt rows as one prefill call
 
 
 @dataclass
@@ -47,3 +51,4 @@ class StepContext:
     prefill_state_slots: torch.Tensor | None = None  # [len(prefills)]
     prefill_lengths: torch.Tensor | None = None  # [len(prefills)]
     batch_invariant: bool = False  # lightning layers run prompt chunks one at a time
+    decode_prompt_lens: list[int] | None = None  # per decode row, when the pool keeps InfLLM-v2 compressed keys

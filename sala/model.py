@@ -236,14 +236,31 @@ class SparseAttention(QKVOProjections):
         k_rows, v_rows = k_pages.view(-1, self.n_kv, self.head_dim), v_pages.view(-1, self.n_kv, self.head_dim)
         k_rows.index_copy_(0, ctx.slot_mapping, k[0].transpose(0, 1).to(k_rows.dtype))
         v_rows.index_copy_(0, ctx.slot_mapping, v[0].transpose(0, 1).to(v_rows.dtype))
+        compressed = self.layer_idx in ctx.cache.k1
+        if compressed:
+            self.compress_step(ctx, k_rows)
         gqa = self.n_heads != self.n_kv
+        scale = self.head_dim**-0.5
         outs = []
         if ctx.num_decode:
             q_dec = q[0, :, : ctx.num_decode].transpose(0, 1)
-            o = paged_decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, self.head_dim**-0.5)
+            sparse_rows = [i for i, (n, p) in enumerate(zip(ctx.context_lens.tolist(), ctx.decode_prompt_lens))
+                           if sparse.call_length(n - 1, p) >= self.sparse.dense_len] if ctx.decode_prompt_lens else []
+            if sparse_rows:
+                o = self.decode_sparse(q_dec, ctx, k_rows, v_rows, sparse_rows)
+            else:
+                o = paged_decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, scale)
             outs.append(o.transpose(0, 1))  # [Hq, n_decode, D]
         for span in ctx.prefills:
             end = span.start + span.length
+            qs = q[:, :, span.start : end]
+            pos = torch.arange(span.past, span.past + span.length, device=q.device)
+            dense = sparse.dense_rows(pos, span.prompt_len, self.sparse) if compressed else None
+            if dense is not None and not bool(dense.all()):
+                keys, values, k1, k2 = self.request_keys(ctx, k_rows, v_rows, span.kv_rows, q.dtype)
+                outs.append(sparse.infllm_v2_attention(qs[0], keys, values, k1, k2, span.past, span.prompt_len,
+                                                       self.sparse, scale, dense))
+                continue
             if span.past == 0:  # a fresh prompt: its own K/V, causal flash path
                 ks, vs = k[:, :, span.start : end], v[:, :, span.start : end]
                 mask = None
@@ -251,10 +268,57 @@ class SparseAttention(QKVOProjections):
                 ks = k_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
                 vs = v_rows[span.kv_rows].to(q.dtype).transpose(0, 1)[None]
                 mask = causal_mask(span.length, span.past + span.length, span.past, None, q.device)
-            o = F.scaled_dot_product_attention(q[:, :, span.start : end], ks, vs, attn_mask=mask,
-                                               is_causal=mask is None, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
             outs.append(o[0])
         return _rows_with_padding(outs, q)
+
+    def compress_step(self, ctx, k_rows: torch.Tensor) -> None:
+        """Add the InfLLM-v2 compressed-key windows this step's keys complete to the pool. Decode
+        rows in tensor ops only (a compiled or captured decode step runs this too): each computes
+        the window ending at its token and writes it where it belongs, or to scratch if incomplete."""
+        cache, ps, nd = ctx.cache, ctx.cache.page_size, ctx.num_decode
+        for pool, (size, stride) in zip((cache.k1[self.layer_idx], cache.k2[self.layer_idx]), self.sparse.levels):
+            if nd:
+                length = ctx.positions[:nd] + 1
+                tok = torch.minimum((length - size).clamp(min=0)[:, None] + torch.arange(size, device=length.device),
+                                    length[:, None] - 1)  # [nd, size] positions, clamped while incomplete
+                rows = ctx.block_tables.gather(1, tok // ps) * ps + tok % ps
+                complete = (length >= size) & ((length - size) % stride == 0)
+                target = torch.where(complete, rows[:, 0] // stride, cache.scratch_row // stride)
+                pool.index_copy_(0, target, sparse.window_means(k_rows[rows]))
+            for span in ctx.prefills:
+                first = sparse.num_windows(span.past, size, stride)
+                n = sparse.num_windows(span.past + span.length, size, stride)
+                if n > first:
+                    starts = torch.arange(first, n, device=k_rows.device) * stride
+                    rows = span.kv_rows[starts[:, None] + torch.arange(size, device=k_rows.device)]
+                    pool.index_copy_(0, rows[:, 0] // stride, sparse.window_means(k_rows[rows]))
+
+    def request_keys(self, ctx, k_rows, v_rows, kv_rows: torch.Tensor, dtype):
+        """One request's keys and values [L, Hkv, D] and compressed keys K1 / K2 from the pools."""
+        cache, n = ctx.cache, kv_rows.shape[0]
+        k1, k2 = (pool[kv_rows[torch.arange(sparse.num_windows(n, size, stride), device=kv_rows.device) * stride] // stride]
+                  for pool, (size, stride) in zip((cache.k1[self.layer_idx], cache.k2[self.layer_idx]), self.sparse.levels))
+        return k_rows[kv_rows].to(dtype), v_rows[kv_rows].to(dtype), k1, k2
+
+    def decode_sparse(self, q_dec, ctx, k_rows, v_rows, sparse_rows: list[int]) -> torch.Tensor:
+        """Decode rows [n_decode, Hq, D]: the sparse ones one request at a time, the rest batched."""
+        o = torch.empty_like(q_dec)
+        scale = self.head_dim**-0.5
+        dense = [i for i in range(q_dec.shape[0]) if i not in set(sparse_rows)]
+        if dense:
+            idx = torch.tensor(dense, device=q_dec.device)
+            o[idx] = paged_decode_attention(q_dec[idx], ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx],
+                                            ctx.block_tables[idx], ctx.context_lens[idx], scale)
+        ps = ctx.cache.page_size
+        for i in sparse_rows:
+            n = int(ctx.context_lens[i])
+            pos = torch.arange(n, device=q_dec.device)
+            kv_rows = ctx.block_tables[i, pos // ps] * ps + pos % ps
+            keys, values, k1, k2 = self.request_keys(ctx, k_rows, v_rows, kv_rows, q_dec.dtype)
+            o[i] = sparse.infllm_v2_attention(q_dec[i][:, None], keys, values, k1, k2, n - 1, ctx.decode_prompt_lens[i],
+                                              self.sparse, scale)[:, 0]
+        return o
 
 
 def causal_mask(t_q: int, t_k: int, past: int, key_mask: torch.Tensor | None, device) -> torch.Tensor:

@@ -235,8 +235,12 @@ def infllm_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k1: t
     return block_sparse_attention(q, k, v, pos, mask, s.block_size, scale).to(q.dtype)
 
 
+def call_length(pos: int, prompt_len: int) -> int:
+    """The kv_len that decides dense or sparse for an engine row: prompt rows (pos < prompt_len)
+    belong to one prefill call of prompt_len tokens, every later row to a decode step of pos + 1."""
+    return prompt_len if pos < prompt_len else pos + 1
+
+
 def dense_rows(pos: torch.Tensor, prompt_len: int, s: SparseSettings) -> torch.Tensor:
-    """Engine rows whose own call is dense: prompt rows (pos < prompt_len) belong to a prefill
-    call of prompt_len tokens, every later row to a decode step of pos + 1 tokens."""
-    call_len = torch.where(pos < prompt_len, torch.full_like(pos, prompt_len), pos + 1)
-    return call_len < s.dense_len
+    """call_length < dense_len for a tensor of positions."""
+    return torch.where(pos < prompt_len, torch.full_like(pos, prompt_len), pos + 1) < s.dense_len

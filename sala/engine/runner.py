@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sala import sparse
 from sala.context import Span, StepContext
 from sala.engine.cache import CachePool
 from sala.engine.request import Request
@@ -79,13 +80,16 @@ class ModelRunner:
             ctx.block_tables = torch.tensor([r.pages + [cache.scratch_page] * (width - len(r.pages)) for r in dec], device=dev)
             ctx.context_lens = torch.tensor([p + 1 for p in pos], device=dev)
             ctx.state_slots = torch.tensor([r.state_slot for r in dec], device=dev)
+            if cache.compressed:
+                ctx.decode_prompt_lens = [len(r.prompt_ids) for r in dec]
         sample_rows, rows = list(range(len(dec))), StepRows(list(dec), [])
         prompt_rows, row, slot_parts = [], len(dec), [torch.tensor(slots, dtype=torch.long, device=dev)]
         for r, start, end in sched.prefills:
             ids += r.token_slice(start, end)
             pos += range(start, end)
             slot_parts.append(cache.rows(r, start, end))
-            ctx.prefills.append(Span(row, end - start, start, r.state_slot, cache.rows(r, 0, end) if start else None))
+            kv_rows = cache.rows(r, 0, end) if start or cache.compressed else None
+            ctx.prefills.append(Span(row, end - start, start, r.state_slot, kv_rows, len(r.prompt_ids)))
             self._prompt_logprob_rows(r, start, end, row, prompt_rows, rows.prompt_targets)
             row += end - start
             if end == r.num_tokens:
@@ -120,18 +124,24 @@ class ModelRunner:
         """Advance the cache by the scheduled tokens; returns which rows mean what and the fp32
         logits of the sampled rows followed by the prompt-logprob rows."""
         ids, ctx, logit_rows, rows = self.prepare(sched)
-        if self.fast_decode is not None and not ctx.prefills:
+        if self.fast_decode is not None and not ctx.prefills and not self._sparse_decodes(sched):
             logits = self.fast_decode(ids, ctx)
             if logits is not None:
                 return rows, logits
         return rows, self.forward(ids, ctx, logit_rows)
+
+    def _sparse_decodes(self, sched: Schedule) -> bool:
+        """Whether a decode row attends sparsely (InfLLM-v2): such steps run eagerly."""
+        dense_len = self.model.config.sparse_config["dense_len"]
+        return self.cache.compressed and any(sparse.call_length(r.num_computed, len(r.prompt_ids)) >= dense_len
+                                             for r in sched.decodes)
 
     def forward(self, ids: torch.Tensor, ctx: StepContext, logit_rows: list[int] | None = None) -> torch.Tensor:
         hidden = self.model.model(ids[None], context=ctx)[0]
         if logit_rows is not None:
             n = len(logit_rows)
             pad = -n % INVARIANT_ROWS if self.batch_invariant else 0
-            hidden = hidden[torch.tensor(logit_rows + [0] * pad, device=self.device)]
+            hidden = hidden[torch.tensor(logit_rows + [0] * pad, dtype=torch.long, device=self.device)]
             return self.model.logits(hidden)[:n]
         return self.model.logits(hidden)
 
