@@ -13,9 +13,9 @@ from sala.engine.params import InvalidParam
 from sala.model import SALAForCausalLM
 
 # tiny-sala's weights with a short dense_len: requests past 256 tokens go sparse, and late
-# queries see 3 (1 init + 1 local + own ... ) of up to 12 blocks.
+# queries see 5 blocks of up to 16: the init block, the local one, their own and 2 by score.
 SPARSE = {"block_size": 64, "dense_len": 256, "init_blocks": 1, "kernel_size": 32, "kernel_stride": 16,
-          "topk": 2, "window_size": 64}
+          "topk": 4, "window_size": 64}
 N_NEW = 12
 # Measured: engine logprobs differ from transformers' by at most ~3e-6 here (chunked vs one-shot
 # lightning forms, fused GEMMs); a selection that differs by one block moves them by > 1e-2.
@@ -66,27 +66,33 @@ def transformers_greedy(model, ids, n):
 def engine_greedy(model, tokenizer, prompts, **kw):
     engine = Engine(copy.deepcopy(model), tokenizer, max_model_len=1024, **kw)
     assert engine.cache.compressed
-    done = engine.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=0))
+    done = engine.generate([p for p, _ in prompts],
+                           [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for _, n in prompts])
     if kw.get("compile"):  # dense decode steps ran compiled, the window upkeep inside the graph
         assert engine.runner.compile_seconds is not None and not engine.runner.fast_decode.failed
     return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in done]
 
 
-# 600 and 700 tokens: prompts past dense_len, one (607 % 16 == 15) with the kernel's one-fewer
-# windows in its prompt rows; 250: a prompt below dense_len whose decode crosses it.
-PROMPTS = [(600, 0), (607, 1), (250, 2)]
+# (prompt tokens, seed, new tokens): prompts past dense_len, one (639 % 64 == 63) with the
+# kernel's one-fewer K1 and K2 windows in its prompt rows; a short prompt whose decode runs
+# dense (compiled, when asked) and then sparse, over windows made by those decode steps.
+PROMPTS = [(600, 0, N_NEW), (639, 1, N_NEW), (40, 2, 400)]
+
+
+def requests():
+    return [(prompt(n, s), new) for n, s, new in PROMPTS]
 
 
 @pytest.fixture(scope="module")
 def reference(model):
-    return [transformers_greedy(model, prompt(n, s), N_NEW) for n, s in PROMPTS]
+    return [transformers_greedy(model, p, new) for p, new in requests()]
 
 
 @pytest.mark.parametrize("settings", [dict(max_batch_tokens=128, compile=False), dict(max_batch_tokens=1024, compile=False),
                                       dict(max_batch_tokens=96, compile=True)],
                          ids=["chunked", "one-shot", "chunked+compiled-decode"])
 def test_engine_sparse_path_equals_transformers(model, tokenizer, reference, settings):
-    got = engine_greedy(model, tokenizer, [prompt(n, s) for n, s in PROMPTS], **settings)
+    got = engine_greedy(model, tokenizer, requests(), **settings)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, reference):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < TOL
@@ -99,7 +105,7 @@ def test_reference_really_is_sparse(model, reference):
     for layer in dense.model.layers:
         if hasattr(layer.self_attn, "sparse"):
             layer.self_attn.sparse = type(layer.self_attn.sparse)(**{**layer.self_attn.sparse.__dict__, "dense_len": 1 << 20})
-    tokens, lps = transformers_greedy(dense, prompt(*PROMPTS[0]), N_NEW)
+    tokens, lps = transformers_greedy(dense, *requests()[0])
     assert max(abs(a - b) for a, b in zip(lps, reference[0][1])) > 1e-3
 
 
