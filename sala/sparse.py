@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import block_sparse_attention as kernel
+from kernels.stage1_scores import stage1_scores
 
 SPARSE_KEYS = ("block_size", "dense_len", "init_blocks", "kernel_size", "kernel_stride", "topk", "window_size")
 STAGE1_ELEMENTS = 1 << 24  # fp32 stage-1 logits per tile (64 MiB): bounds activation memory at any length
@@ -167,7 +168,6 @@ def select_blocks(q: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, pos: torc
     if not len(todo):
         return mask
     (size1, stride1), (size2, stride2) = s.levels
-    k1t, k2t = k1.permute(1, 2, 0)[:, None], k2.permute(1, 2, 0)[:, None]  # [Hkv, 1, D, n]
     blocks = torch.arange(nb, device=q.device)
     pool_kernel = size1 // stride1 + s.block_size // stride1 - 1  # K1 windows that overlap one block
     pool_pad = size1 // stride1 - 1
@@ -176,13 +176,10 @@ def select_blocks(q: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, pos: torc
     for i in range(0, len(todo), tile):
         rows = todo[i : i + tile]
         p = pos[rows]
-        qg = q[:, rows].float().reshape(hkv, hq // hkv, len(rows), d)
+        vis1 = visible_windows(p, k1.shape[0], size1, stride1, prefill_len)
         vis2 = visible_windows(p, k2.shape[0], size2, stride2, prefill_len)
-        l2 = (qg @ k2t) * scale  # [Hkv, G, Tc, n2]
-        l2.masked_fill_(torch.arange(k2.shape[0], device=q.device) >= vis2[:, None], float("-inf"))
-        lse = l2.logsumexp(-1, keepdim=True)  # -inf when no K2 window is visible yet
-        hidden1 = torch.arange(k1.shape[0], device=q.device) >= visible_windows(p, k1.shape[0], size1, stride1, prefill_len)[:, None]
-        score = torch.exp((qg @ k1t) * scale - lse).masked_fill_(hidden1, 0).sum(1)  # [Hkv, Tc, n1]
+        score = stage1_scores(q[:, rows].transpose(0, 1), k1, k2, vis1, vis2, scale)  # [Hkv, Tc, n1]
+        hidden1 = torch.arange(k1.shape[0], device=q.device) >= vis1[:, None]
         score.masked_fill_(hidden1, float("-inf"))
         padded = score.new_full((hkv, len(rows), pool_len), float("-inf"))
         n_in = min(score.shape[-1], pool_len - pool_pad)

@@ -51,3 +51,37 @@ def test_block_sparse_kernel_on_cuda_at_the_9b_shapes():
     torch.testing.assert_close(block_sparse_attention_triton(q, k, v, pos, idx, bs, d**-0.5).float(),
                                block_sparse_attention_reference(q, k, v, pos, idx, bs, d**-0.5).float(),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_stage1_kernel_and_reference_match_sala_selection_scores():
+    """The Triton stage-1 kernel (interpreter) equals its torch reference, which sala/sparse.py's
+    selection runs on CPU (tests/test_sparse.py checks it against the naive spec reference)."""
+    from kernels.stage1_scores import stage1_scores_reference, stage1_scores_triton
+
+    s = sparse.SparseSettings(block_size=16, dense_len=0, init_blocks=1, kernel_size=8, kernel_stride=4, topk=3, window_size=32)
+    length, hq, hkv, d = 150, 4, 2, 16
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(length, hq, d, generator=g), torch.randn(length, hkv, d, generator=g)
+    k1, k2 = sparse.CompressedKeys(s).extend(k)
+    pos = torch.arange(length)
+    (size1, st1), (size2, st2) = s.levels
+    vis1 = sparse.visible_windows(pos, k1.shape[0], size1, st1, length)
+    vis2 = sparse.visible_windows(pos, k2.shape[0], size2, st2, length)
+    want = stage1_scores_reference(q, k1, k2, vis1, vis2, d**-0.5)
+    assert want[:, 100:].sum() > 0
+    if triton is not None:
+        torch.testing.assert_close(stage1_scores_triton(q, k1, k2, vis1, vis2, d**-0.5), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_stage1_kernel_on_cuda_at_the_9b_shapes():
+    from kernels.stage1_scores import stage1_scores_reference, stage1_scores_triton
+
+    t_q, hq, hkv, d, n1, n2 = 64, 32, 2, 128, 1023, 255
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(t_q, hq, d, generator=g).to(torch.bfloat16).cuda() * 0.1
+    k1, k2 = torch.randn(n1, hkv, d, generator=g).cuda(), torch.randn(n2, hkv, d, generator=g).cuda()
+    vis1 = torch.arange(n1 - t_q, n1).cuda()
+    vis2 = vis1 // 4
+    torch.testing.assert_close(stage1_scores_triton(q, k1, k2, vis1, vis2, d**-0.5),
+                               stage1_scores_reference(q, k1, k2, vis1, vis2, d**-0.5), atol=1e-3, rtol=1e-3)
