@@ -2,8 +2,8 @@
 blocks, 96 selected) against the same weights attending densely and the equal-size Llama of
 bench/prefill_vs_llama.py, at 8K, 32K and 128K tokens: prefill time, decode tokens/s, peak memory.
 
-Each (model, length) runs in a forked child, so its peak resident memory (VmHWM less the RSS it
-started with: activations, K/V, compressed keys and states) is its own. The dense runs grow
+Each (model, length) runs in its own process, so its peak resident memory (VmHWM less the RSS
+once the model is built: activations, K/V, compressed keys and states) is its own. The dense runs grow
 quadratically; they stop at --dense-max (default 32K: a dense 128K prefill takes tens of
 minutes on 2 cores), and the table says so.
 
@@ -11,7 +11,8 @@ minutes on 2 cores), and the table says so.
 """
 import argparse
 import json
-import multiprocessing as mp
+import subprocess
+import sys
 import time
 
 import torch
@@ -31,8 +32,8 @@ def rss_kib(field: str) -> int:
 
 
 @torch.no_grad()
-def measure(model, n: int, out) -> None:
-    """Child process: one-shot prefill of n tokens with a cache, then greedy cached decode."""
+def measure(model, n: int) -> dict:
+    """One-shot prefill of n tokens with a cache, then greedy cached decode."""
     base = rss_kib("VmRSS:")
     ids = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
     t0 = time.perf_counter()
@@ -44,18 +45,22 @@ def measure(model, n: int, out) -> None:
         o = model(tok, past_key_values=cache, use_cache=True)
         tok = o.logits[:, -1:].argmax(-1)
     decode = time.perf_counter() - t0
-    out.put({"prefill_s": round(prefill, 2), "decode_tok_s": round(DECODE_TOKENS / decode, 1),
-             "peak_mib": round((rss_kib("VmHWM:") - base) / 1024, 1)})
+    return {"prefill_s": round(prefill, 2), "decode_tok_s": round(DECODE_TOKENS / decode, 1),
+            "peak_mib": round((rss_kib("VmHWM:") - base) / 1024, 1)}
 
 
-def run(model, n: int) -> dict:
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=measure, args=(model, n, q))
-    p.start()
-    result = q.get()
-    p.join()
-    return result
+def build(name: str, max_len: int):
+    tiny = load_model(ensure_tiny_sala())
+    if name == "llama":
+        return equal_size_llama(tiny.config, max_len)
+    return variant(tiny, max_len, **({"dense_len": 1 << 40} if name == "dense" else {}))
+
+
+def run(name: str, n: int, max_len: int) -> dict:
+    """In a fresh process (forking a process that has run OpenMP threads can hang)."""
+    out = subprocess.run([sys.executable, __file__, "--one", name, str(n), str(max_len)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def variant(tiny, max_len: int, **sparse_over) -> SALAForCausalLM:
@@ -92,12 +97,15 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--dense-max", type=int, default=32768, help="longest prompt for the dense and Llama runs")
     ap.add_argument("--png", default="long_context.png")
+    ap.add_argument("--one", nargs=3, metavar=("MODEL", "TOKENS", "MAX_LEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        name, n, max_len = args.one[0], int(args.one[1]), int(args.one[2])
+        print(json.dumps(measure(build(name, max_len), n)))
+        return
     tiny = load_model(ensure_tiny_sala())
     max_len = max(args.lengths) + DECODE_TOKENS + 1
-    models = {"sparse": variant(tiny, max_len), "dense": variant(tiny, max_len, dense_len=1 << 40),
-              "llama": equal_size_llama(tiny.config, max_len)}
-    sc = models["sparse"].config.sparse_config
+    sc = tiny.config.sparse_config
     print(f"long context, tiny-sala hidden={tiny.config.hidden_size} ({len(tiny.config.sparse_layers)} sparse + "
           f"{len(tiny.config.lightning_layers)} lightning layers), InfLLM-v2 dense_len={sc['dense_len']} "
           f"block={sc['block_size']} topk={sc['topk']} window={sc['window_size']}, threads={torch.get_num_threads()}, "
@@ -107,12 +115,12 @@ def main():
     rows = []
     for n in args.lengths:
         row = {"tokens": n}
-        for name, model in models.items():
+        for name in ("sparse", "dense", "llama"):
             if name != "sparse" and n > args.dense_max:
                 row[name] = None
                 print(f"{n:>8} | {name:<7}{'not run (--dense-max)':>35}", flush=True)
                 continue
-            row[name] = run(model, n)
+            row[name] = run(name, n, max_len)
             r = row[name]
             print(f"{n:>8} | {name:<7}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.1f}{r['peak_mib']:>10.1f}", flush=True)
         rows.append(row)
