@@ -31,6 +31,9 @@ try:
 except ImportError:  # CPU installs may lack triton; the torch reference still works
     triton = None
 
+# The format itself, for every user of it (sala.quant.nvfp4 quantizes with these, KV-cache
+# formats reuse them): value of every E2M1 code, magnitude from bits 0..2, sign from bit 3
+# (0x8 is -0.0); and how many weights share one FP8 scale.
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float32,
@@ -237,18 +240,35 @@ def nvfp4_matmul_triton(
     return y
 
 
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 [..., K] codes 0..15; low nibble = even column."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of every code."""
+    # index_select rather than advanced indexing: on CPU the latter is ~1000x slower here,
+    # and GPTQ decodes one column per step.
+    table = E2M1_VALUES.to(codes.device)
+    return table.index_select(0, codes.flatten().int()).view(codes.shape)
+
+
+def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] from unpacked codes: E2M1[code] * (scale / global), compressed-tensors'
+    order. The global scale is [1] or [N] (one per output row)."""
+    g = global_scale.float()
+    if g.numel() > 1:  # [N] -> [N, 1]: each row by its own; a [1] one broadcasts as it is
+        g = g.reshape(-1, 1)
+    step = (scale.float() / g).repeat_interleave(GROUP_SIZE, dim=-1)
+    return decode_e2m1(codes) * step
+
+
 def nvfp4_dequantize_reference(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
 ) -> torch.Tensor:
-    """fp32 [N, K] weight: E2M1[code] * (scale / global), compressed-tensors' order. The
-    global scale is [1] or [N] (one per output row)."""
+    """fp32 [N, K] weight from the packed checkpoint tensors (global scale [1] or [N])."""
     _global_scale_stride(global_scale, packed.shape[0])
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-    # [1] -> [1, 1] broadcasts as before; [N] -> [N, 1] scales each row by its own.
-    step = (scale.float() / global_scale.float().reshape(-1, 1)).repeat_interleave(GROUP_SIZE, dim=-1)
-    # index_select, not advanced indexing, which is orders of magnitude slower on CPU.
-    values = E2M1_VALUES.to(packed.device).index_select(0, codes.flatten().int())
-    return values.view(codes.shape) * step
+    return dequantize_fp4(unpack_fp4(packed), scale, global_scale)
 
 
 def nvfp4_matmul_reference(

@@ -239,11 +239,12 @@ def fail(message: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pipelines.raycluster import RayUnavailable, init_ray
-    from pipelines.registry import ModelSpecError, resolve_model_path
-    from pipelines.tracking import TrackingError, setup_mlflow
+    from registry.models import ModelSpecError, resolve_model_path
+    from registry.tracking import TrackingError, setup_mlflow
     from sala.checkpoint import DeviceUnavailable, gpu_device
     from sala.engine import InvalidParam, SamplingParams
     from sala.eval.calibration import DatasetError, dataset_kind
+    from sala.tiny import ensure_tiny_sala
 
     output = Path(args.output).expanduser().absolute()
     column = args.messages_column or args.prompt_column
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
             raise DatasetError(f"dataset {dataset} has no rows")
         if column not in columns:
             raise DatasetError(f"column '{column}' not found in {dataset} (columns: {', '.join(columns) or 'none'})")
-        model_path = resolve_model_path(args.model)
+        model_path = resolve_model_path(args.model or str(ensure_tiny_sala()))
         setup_mlflow(args.experiment)
         init_ray()
     except InvalidParam as e:

@@ -4,11 +4,13 @@ evaluated against the BF16 model, tracked in MLflow and registered in its model 
     python pipelines/quantize.py                               # tiny-sala, local Ray, sqlite MLflow
     ray job submit --working-dir . -- python pipelines/quantize.py --model /abs/ckpt --output /abs/out
 
-Stages: calibration set (matched to a target task mix) -> per-layer Hessians (a Ray Data pass
-over calibration shards, or layer by layer through the already quantized layers) -> one Ray task
-per layer (parallel mode) or per module group (sequential mode) running GPTQ -> compressed-tensors
-checkpoint -> perplexity and KL against BF16 -> MLflow run, plots, model version, alias if the
-quality gate passes. Finished layers are kept beside the output, so a rerun resumes.
+Stages: calibration set (matched to a target task mix) -> a pool of Ray actors, each holding the
+model and some calibration shards (pipelines/layer_pool.py) -> per-layer Hessians (layer by layer
+through the already quantized layers, or all at once from BF16 in parallel mode), summed per
+shard in order -> GPTQ, one Linear per actor call -> compressed-tensors checkpoint -> perplexity
+and KL against BF16 -> MLflow run, plots, model version, alias if the quality gate passes. The
+checkpoint is the same bytes whatever the number of workers. Finished layers are kept beside the
+output, so a rerun resumes.
 """
 from __future__ import annotations
 
@@ -18,10 +20,8 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,15 +31,13 @@ if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout 
 import torch  # noqa: E402
 
 from pipelines.cli import HelpFormatter  # noqa: E402
+from pipelines.layer_pool import LayerPool, results_from_bytes, results_to_bytes  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
-from pipelines.registry import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
-from pipelines.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
-from sala.checkpoint import CheckpointError, load_model, read_config  # noqa: E402
+from registry.models import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
+from registry.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
+from sala.checkpoint import CheckpointError, load_model, read_config, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
-from sala.tiny import sala_home  # noqa: E402
-
-FAULT_ENV = "SALA_FAULT_ONCE"  # test hook: "layer=<i>,marker=<path>" kills that layer's task once
-INTERRUPT_ENV = "SALA_INTERRUPT_AFTER_LAYER"  # test hook: Ctrl-C the driver once layer <i> is saved
+from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -64,9 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-mix", help="explicit task mix, e.g. code=0.3,qa=0.3,prose=0.3,list=0.1")
     ap.add_argument("--num-samples", type=int, default=128, help="calibration rows")
     ap.add_argument("--seq-len", type=int, default=256, help="calibration sequence length (tokens)")
-    ap.add_argument("--shards", type=int, default=4, help="calibration shards for the Ray Data Hessian pass")
+    ap.add_argument("--shards", type=int, default=4, help="calibration shards the workers share out; the output depends on this, not on --workers")
     ap.add_argument("--workers", type=int, default=None,
-                    help="local Ray: CPUs to use (default: all); on a cluster: Hessian actors (default: one per GPU)")
+                    help="worker actors (default: one per GPU, else one per CPU); on a local Ray also the CPUs it starts with")
     ap.add_argument("--eval-sequences", type=int, default=32, help="held-out sequences for perplexity and KL")
     ap.add_argument("--max-kl", type=float, default=0.05, help="quality gate: the alias moves only if mean KL <= this")
     ap.add_argument("--register-name", help="registered model name (default: <model>-nvfp4)")
@@ -103,116 +101,6 @@ def target_mix(args) -> dict[str, float] | None:
     return None
 
 
-# ---------------------------------------------------------------------------- ray workers
-def _torch_threads():
-    import ray
-
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
-    torch.set_num_threads(max(1, int(cpus)))
-
-
-class HessianShard:
-    """Ray Data stage: the BF16 model on one calibration shard, with X^T X hooks on every layer."""
-
-    def __init__(self, model_dir: str):
-        from sala.quant.layerwise import collect_hessians
-
-        _torch_threads()
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = load_model(model_dir, dtype=torch.float32, device=self.device)
-        self.accs, _ = collect_hessians(dict(enumerate(self.model.model.layers)))
-
-    def __call__(self, batch: dict) -> dict:
-        import numpy as np
-
-        out = {"shard": [], "layer": [], "site": [], "xtx": [], "tokens": []}
-        for shard, ids in zip(batch["shard"], batch["ids"]):
-            for acc in self.accs.values():
-                acc.xtx.zero_()
-                acc.tokens = 0
-            with torch.no_grad():
-                self.model(torch.as_tensor(np.stack(ids), device=self.device), use_cache=False)
-            for (layer, site), acc in self.accs.items():
-                out["shard"].append(int(shard))
-                out["layer"].append(layer)
-                out["site"].append(site)
-                out["xtx"].append(acc.xtx.cpu().numpy().ravel().copy())
-                out["tokens"].append(acc.tokens)
-        return out
-
-
-def hessians_parallel(model_dir: Path, seqs: torch.Tensor, shards: int, workers: int,
-                      gpus: float) -> dict[int, dict[str, torch.Tensor]]:
-    """One Ray Data pass over the shards; partial sums are reduced in shard order, so the
-    result does not depend on which actor finished first."""
-    import ray
-
-    from sala.quant.gptq import HessianAccumulator
-
-    chunks = [c for c in torch.tensor_split(seqs, min(shards, len(seqs))) if len(c)]
-    ds = ray.data.from_items([{"shard": i, "ids": c.numpy()} for i, c in enumerate(chunks)])
-    parts = ds.map_batches(HessianShard, fn_constructor_kwargs={"model_dir": str(model_dir)}, batch_size=1,
-                           compute=ray.data.ActorPoolStrategy(size=min(workers, len(chunks))), num_cpus=1,
-                           num_gpus=1 if gpus else 0).take_all()
-    accs: dict[tuple[int, str], HessianAccumulator] = {}
-    for p in sorted(parts, key=lambda p: (p["layer"], p["site"], p["shard"])):
-        k = int(len(p["xtx"]) ** 0.5)
-        part = HessianAccumulator(k)
-        part.xtx = torch.from_numpy(p["xtx"].reshape(k, k).copy())
-        part.tokens = int(p["tokens"])
-        accs.setdefault((p["layer"], p["site"]), HessianAccumulator(k)).merge(part)
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for (layer, site), acc in accs.items():
-        out.setdefault(layer, {})[site] = acc.hessian(f"layer {layer} {site}")
-    return out
-
-
-def quantize_task(layer_idx: int, weights, hessians, groups, opts: dict) -> tuple[bytes, dict]:
-    """Ray task body: GPTQ/RTN for one layer (or some of its module groups), returned as
-    safetensors bytes: they carry FP8 scales that pickled torch storages cannot."""
-    from sala.quant.layerwise import quantize_layer
-
-    _maybe_fail(layer_idx)
-    _torch_threads()
-    if torch.cuda.is_available():
-        weights = {k: v.cuda() for k, v in weights.items()}
-        hessians = {k: v.cuda() for k, v in (hessians or {}).items()}
-    return results_to_bytes(quantize_layer(weights, hessians, groups, layer_name=f"model.layers.{layer_idx}", **opts))
-
-
-def results_to_bytes(results: dict) -> tuple[bytes, dict]:
-    from safetensors.torch import save
-
-    tensors, stats = {}, {}
-    for m, (q, st) in results.items():
-        tensors |= {f"{m}.codes": q.codes, f"{m}.scale": q.scale, f"{m}.global_scale": q.global_scale,
-                    f"{m}.m4_mask": q.m4_mask.to(torch.uint8)}
-        stats[m] = asdict(st) if st is not None else {}
-    return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}), stats
-
-
-def results_from_bytes(blob: bytes, stats: dict) -> dict:
-    from safetensors.torch import load
-
-    from sala.quant.gptq import GPTQStats
-    from sala.quant.nvfp4 import NVFP4Tensor
-
-    t = load(blob)
-    return {m: (NVFP4Tensor(t[f"{m}.codes"], t[f"{m}.scale"], t[f"{m}.global_scale"], t[f"{m}.m4_mask"].bool()),
-                GPTQStats(**st) if st else None) for m, st in stats.items()}
-
-
-def _maybe_fail(layer_idx: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    fields = dict(kv.split("=", 1) for kv in spec.split(","))
-    marker = Path(fields["marker"])
-    if int(fields["layer"]) == layer_idx and not marker.exists():
-        marker.touch()
-        os._exit(1)  # a worker dying mid-task, as a preempted or OOM-killed node would
-
-
 # ----------------------------------------------------------------------- per-layer results
 class LayerStore:
     """Finished layers beside the output, each a safetensors file plus a JSON record with its
@@ -228,11 +116,9 @@ class LayerStore:
 
     def save(self, idx: int, blob: bytes, stats: dict) -> None:
         st_path, rec_path = self._paths(idx)
-        for path, data in ((st_path, blob), (rec_path, json.dumps({"fingerprint": self.fingerprint, "stats": stats,
-                                                                   "sha256": hashlib.sha256(blob).hexdigest()}).encode())):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(data)
-            tmp.rename(path)
+        write_file_atomic(st_path, blob)  # the record last: it vouches for the weights by their sha256
+        write_file_atomic(rec_path, json.dumps({"fingerprint": self.fingerprint, "stats": stats,
+                                                "sha256": hashlib.sha256(blob).hexdigest()}).encode())
 
     def load(self, idx: int) -> tuple[bytes, dict] | None:
         """The layer's (blob, stats) if a finished, verified, same-options file exists, else None."""
@@ -247,71 +133,72 @@ class LayerStore:
 
 
 # --------------------------------------------------------------------------------- stages
-def run_quantization(args, model_dir: Path, model, seqs: torch.Tensor, store: LayerStore, workers: int, log_layer) -> dict:
-    """All layers quantized; returns {layer_idx: {module: (NVFP4Tensor, stats)}}."""
+def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: LayerStore, workers: int, log_layer) -> dict:
+    """All layers quantized on a pool of Ray actors; returns {layer_idx: {module: (NVFP4Tensor, stats)}}."""
     import ray
     from tqdm import tqdm
 
-    from sala.quant.layerwise import layer_groups, layer_weights, quantize_sequential
+    from sala.quant.layerwise import layer_groups
 
     opts = {"method": args.method, "scale_rule": args.scale_rule, "act_order": args.act_order, "damp": args.damp}
-    gpus = ray.cluster_resources().get("GPU", 0)
-    task = ray.remote(quantize_task).options(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=3,
-                                             retry_exceptions=False)
-    layers = model.model.layers
-    results: dict[int, dict] = {}
+    blobs: dict[int, tuple[bytes, dict]] = {}
     for i in range(len(layers)):
         finished = store.load(i)
         if finished is not None:
-            results[i] = results_from_bytes(*finished)
-    reused = sorted(results)
-    if reused:
-        print(f"resuming: reusing {len(reused)} finished layer(s) {reused}", flush=True)
-    bar = tqdm(total=len(layers), initial=len(reused), desc="quantizing layers", file=sys.stderr)
+            blobs[i] = finished
+    if blobs:
+        print(f"resuming: reusing {len(blobs)} finished layer(s) {sorted(blobs)}", flush=True)
+    pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0))
+    print(f"workers    {len(pool.actors)} Ray actors (pids {' '.join(map(str, pool.pids))}) over {pool.shards} "
+          "calibration shards", flush=True)
+    bar = tqdm(total=len(layers), initial=len(blobs), desc="quantizing layers", file=sys.stderr)
 
-    def finish(idx, res):
-        store.save(idx, *results_to_bytes(res))
-        results[idx] = res
-        log_layer(idx, res)
+    def done_layer(idx: int, res: dict) -> None:
+        # Completion order varies with the workers; the bytes must not.
+        blobs[idx] = results_to_bytes(dict(sorted(res.items())))
+
+    def record(idx: int) -> None:
+        store.save(idx, *blobs[idx])
+        log_layer(idx, results_from_bytes(*blobs[idx]))
         bar.update(1)
-        if os.environ.get(INTERRUPT_ENV) == str(idx):
-            os.kill(os.getpid(), signal.SIGINT)
 
-    if args.mode == "parallel":
-        hessians = {} if args.method == "rtn" else hessians_parallel(model_dir, seqs, args.shards, workers, gpus)
-        pending = {}
-        for i, layer in enumerate(layers):
-            if i not in results:
-                ref = task.remote(i, layer_weights(layer), hessians.get(i), layer_groups(layer), opts)
-                pending[ref] = i
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            idx = pending.pop(done[0])
-            finish(idx, results_from_bytes(*_get(done[0], idx)))
+    def jobs(idx: int, hessians: dict | None) -> list[tuple]:
+        named = dict(layers[idx].named_modules())
+        refs = {site: ray.put(h) for site, h in (hessians or {}).items()}  # once per site, not once per Linear
+        return [(idx, group, m, refs.get(site), named[m].in_features, named[m].out_features)
+                for site, groups in layer_groups(layers[idx]).items() for group in groups for m in group]
+
+    todo = [i for i in range(len(layers)) if i not in blobs]
+    if args.mode == "parallel" or args.method == "rtn":  # RTN reads no inputs: nothing to be sequential about
+        hessians = pool.model_hessians() if args.method == "gptq" and todo else {}
+        partial = {i: {} for i in todo}
+        needed = {i: len(jobs(i, None)) for i in todo}
+
+        def done(idx, module, out):
+            partial[idx].update(results_from_bytes(*out))
+            if len(partial[idx]) == needed[idx]:
+                done_layer(idx, partial.pop(idx))
+                record(idx)
+
+        pool.quantize([j for i in todo for j in jobs(i, hessians.get(i))], opts, done)
     else:
-        def quantize_groups(i, weights, hessians, groups):
-            # Module groups of one layer are independent given its inputs: one task each, at once.
-            refs = [task.remote(i, {m: weights[m] for m in g}, {site: hessians[site]}, {site: [g]}, opts)
-                    for site, gs in groups.items() for g in gs]
-            merged = {}
-            for ref in refs:
-                merged.update(results_from_bytes(*_get(ref, i)))
-            return merged
-
-        quantize_sequential(model, seqs, quantize_groups, results, finish)
+        # Layer by layer: layer i's Hessians come from inputs that went through the quantized layers
+        # before it (the actors apply them first), so GPTQ corrects the error those introduced.
+        # As soon as layer i is quantized the actors start on layer i+1 (applying i, running their
+        # shards through it, the next Hessians) while the driver stores and logs layer i.
+        applied, calls = [], None
+        for i in range(len(layers)):
+            if i in todo:
+                res = {}
+                hessians = pool.layer_hessians(i, calls or pool.submit_layer_hessians(i, applied))
+                pool.quantize(jobs(i, hessians), opts, lambda idx, module, out: res.update(results_from_bytes(*out)))
+                done_layer(i, res)
+            applied.append(ray.put(blobs[i]))
+            calls = pool.submit_layer_hessians(i + 1, applied) if i + 1 in todo else None
+            if i in todo:
+                record(i)
     bar.close()
-    return results
-
-
-def _get(ref, idx):
-    import ray
-
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        raise RuntimeError(f"quantizing model.layers.{idx} failed: {e.cause!r}") from e
-    except ray.exceptions.WorkerCrashedError as e:
-        raise RuntimeError(f"quantizing model.layers.{idx} failed: its worker died repeatedly ({e})") from e
+    return {i: results_from_bytes(*blobs[i]) for i in sorted(blobs)}
 
 
 # ----------------------------------------------------------------------------------- report
@@ -367,7 +254,7 @@ def default_output(name: str, args) -> Path:
 
 
 def fingerprint(args, model_dir: Path, seqs: torch.Tensor) -> str:
-    keys = {k: getattr(args, k) for k in ("method", "scale_rule", "act_order", "damp", "mode")}
+    keys = {k: getattr(args, k) for k in ("method", "scale_rule", "act_order", "damp", "mode", "shards")}
     h = hashlib.sha256(json.dumps(keys, sort_keys=True).encode())
     h.update(str(model_dir).encode())
     h.update(seqs.numpy().tobytes())
@@ -395,7 +282,6 @@ def run(args) -> int:
 
     from sala.eval.compare import compare_models, window_sequences
     from sala.quant.export import export_checkpoint
-    from sala.quant.layerwise import layer_groups  # noqa: F401  (fail early if the quant library is broken)
     from sala.tiny import split_corpus, token_stream
 
     t_start = time.time()
@@ -403,7 +289,7 @@ def run(args) -> int:
     check_reachable(tracking_uri())
     if os.environ.get("RAY_ADDRESS"):
         check_address(os.environ["RAY_ADDRESS"])
-    model_dir = resolve_model_path(args.model)
+    model_dir = resolve_model_path(args.model or str(ensure_tiny_sala()))
     config = read_config(model_dir)
     name = model_name(args.model, model_dir)
     output = Path(args.output).absolute() if args.output else default_output(name, args)
@@ -423,9 +309,11 @@ def run(args) -> int:
     resources = init_ray(num_cpus=args.workers)
     workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
     setup_mlflow(args.experiment)
-    # Sequential mode propagates calibration inputs in this driver process: on its GPU if it has
-    # one (`ray job submit --entrypoint-num-gpus 1`), else on CPU.
-    model = load_model(model_dir, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+    # The driver needs the layers' structure only: the workers hold the weights and run the forwards.
+    from sala.model import SALAForCausalLM
+
+    with torch.device("meta"):
+        layers = SALAForCausalLM(config).model.layers
     store = LayerStore(output.with_name(f".{output.name}.layers"), fingerprint(args, model_dir, seqs))
     register_name = args.register_name or f"{name}-nvfp4"
 
@@ -444,7 +332,7 @@ def run(args) -> int:
             mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
 
         t0 = time.time()
-        results = run_quantization(args, model_dir, model, seqs, store, workers, log_layer)
+        results = run_quantization(args, model_dir, layers, seqs, store, workers, log_layer)
         quant_seconds = time.time() - t0
         quantized = {f"model.layers.{i}.{m}": q for i, res in results.items() for m, (q, _) in res.items()}
         rows_table = per_layer_table(results)

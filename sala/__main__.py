@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sala.checkpoint import CheckpointError, check_state_dict, load_model, load_state_dict, read_config
+from sala.checkpoint import MANIFEST, CheckpointError, check_state_dict, load_model, load_state_dict, read_config, verify_manifest
 from sala.config import ConfigError
 
 
@@ -48,10 +48,14 @@ def cmd_verify(args) -> int:
     from sala.model import SALAForCausalLM
 
     config = read_config(args.model)
-    state = load_state_dict(args.model, verify=True)
+    verified = verify_manifest(args.model)
+    state = load_state_dict(args.model, verify=False)
     if not getattr(config, "quantization_config", None):
         with torch.device("meta"):
             check_state_dict(SALAForCausalLM(config), state, args.model)
+    if not verified:
+        raise CheckpointError(f"{args.model}: no {MANIFEST}, so its files cannot be verified "
+                              f"(config and {len(state)} tensors read fine)")
     print(f"{args.model}: ok ({len(state)} tensors, manifest verified)")
     return 0
 

@@ -272,8 +272,8 @@ def build(target: Path, progress: bool = True) -> dict:
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = config.bos_token_id
     producer = {"name": "sala.tiny", "recipe": RECIPE, "recipe_hash": recipe_hash()}
-    save_checkpoint(model, target, tokenizer, overwrite=True, producer=producer, metrics=metrics)
-    (target / "heldout.txt").write_text("\n\n".join(heldout_texts))
+    save_checkpoint(model, target, tokenizer, overwrite=True, producer=producer, metrics=metrics,
+                    extra_files={"heldout.txt": "\n\n".join(heldout_texts).encode()})
     return metrics
 
 

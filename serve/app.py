@@ -36,6 +36,7 @@ from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import RayServeException
 
+from registry.models import model_name, resolve_model_path
 from sala.checkpoint import DeviceUnavailable, gpu_device
 from sala.engine import AsyncEngine, Engine, InvalidParam, QueueFull, RequestOutput, RequestStream, SamplingParams
 from serve.protocol import (
@@ -127,8 +128,6 @@ class SalaServer:
                  max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, num_threads: int | None = None,
                  num_gpus: float = 0, deterministic: bool = False, engine_kwargs: dict | None = None):
         import torch
-
-        from pipelines.registry import model_name, resolve_model_path
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -405,6 +404,10 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     num_gpus > 0 reserves that many GPUs for the replica and runs the engine on CUDA; deterministic
     makes a request's logprobs bitwise independent of the rest of the batch (evaluation mode, slower)."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
+    if model is None:  # tiny-sala, built here if need be: a replica only ever resolves, never trains
+        from sala.tiny import ensure_tiny_sala
+
+        model = str(ensure_tiny_sala())
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
     api_key = os.environ.get("SALA_API_KEY") if api_key is None else api_key

@@ -1,5 +1,6 @@
 """Checkpoint directories: bit-exact round trips, corruption detection, clear errors on bad input."""
 import json
+import os
 import subprocess
 import sys
 
@@ -145,3 +146,124 @@ def test_cli_one_line_error_and_nonzero_exit(tmp_path, setup, needle):
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- a checkpoint cannot lie: unlisted files, missing manifests, killed writers ---------------
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_shard_outside_the_manifest_is_refused(tmp_path, sharded):
+    """A weight file the manifest does not list is an error for load and for `sala verify`, even
+    one the index does not name (loading without an index would read it)."""
+    out = save_checkpoint(random_model(), tmp_path / "ckpt", max_shard_bytes=200_000 if sharded else 4 << 30)
+    from safetensors.torch import save_file
+
+    save_file({"lm_head.weight": torch.zeros(3, 3)}, str(out / "model-extra.safetensors"))
+    expected = f"{out / 'model-extra.safetensors'}: not listed in manifest.json (a file added after the checkpoint was written)"
+    with pytest.raises(CheckpointError) as e:
+        load_model(out)
+    assert str(e.value) == expected
+    r = subprocess.run([sys.executable, "-m", "sala", "verify", str(out)], capture_output=True, text=True)
+    assert (r.returncode, r.stdout, r.stderr.strip()) == (2, "", f"error: {expected}")
+
+
+def test_a_checkpoint_without_manifest_loads_and_says_once_that_nothing_was_verified(tmp_path, caplog):
+    m = random_model()
+    out = save_checkpoint(m, tmp_path / "ckpt")
+    (out / "manifest.json").unlink()  # as a Hub checkpoint: no manifest
+    with caplog.at_level("WARNING", logger="sala.checkpoint_files"):
+        assert same_weights(m, load_model(out))
+        assert same_weights(m, load_model(out))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [f"{out}: no manifest.json, so nothing in it was verified (loading the files as they are)"]
+    r = subprocess.run([sys.executable, "-m", "sala", "verify", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1] == (f"error: {out}: no manifest.json, so its files cannot be verified "
+                                                 f"(config and {len(m.state_dict())} tensors read fine)")
+
+
+def test_exchange_paths_swaps_two_directories_in_one_step(tmp_path):
+    from sala.checkpoint import atomic_directory
+    from sala.checkpoint_files import exchange_paths
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "f").write_text("A")
+    (b / "f").write_text("B")
+    exchange_paths(a, b)
+    assert ((a / "f").read_text(), (b / "f").read_text()) == ("B", "A")
+    ino = os.stat(b).st_ino
+    with atomic_directory(b, overwrite=True) as tmp:
+        (tmp / "f").write_text("C")
+        new_ino = os.stat(tmp).st_ino
+    # The new directory itself took the target's name (no copy), and the old one is gone.
+    assert os.stat(b).st_ino == new_ino != ino and (b / "f").read_text() == "C"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+WRITER = """
+import os, sys, torch
+torch.set_num_threads(1)
+from sala.checkpoint_files import write_checkpoint
+from sala.config import SALAConfig
+
+target, config = sys.argv[1], SALAConfig()
+states = {v: {f"w{i}": torch.full((256, 1024), float(v)) for i in range(8)} for v in (1, 2)}
+
+def write(v):
+    write_checkpoint(target, config, states[v], overwrite=True, max_shard_bytes=2 << 20, producer={"version": v})
+
+write(1)
+for _ in sys.stdin:  # one writer per line: it overwrites the target, alternating versions, until killed
+    pid = os.fork()
+    if pid == 0:
+        v = 1
+        while True:
+            v = 3 - v
+            write(v)
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
+"""
+
+
+def test_a_writer_killed_at_any_point_leaves_a_complete_verifiable_checkpoint(tmp_path):
+    """A process overwriting a sharded checkpoint in a loop is SIGKILLed at random moments; after
+    each kill the target verifies against its manifest and holds one whole version, never a mix
+    or nothing. The temporaries of killed writers are cleaned by the next write."""
+    import random
+    import signal
+    import time
+
+    from sala.checkpoint import load_state_dict, verify_manifest, write_checkpoint
+    from sala.config import SALAConfig
+
+    target = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rng = random.Random(0)
+    versions, interrupted = [], 0
+    try:
+        for _ in range(12):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            pid = int(proc.stdout.readline())
+            time.sleep(rng.uniform(0.05, 0.4))
+            os.kill(pid, signal.SIGKILL)
+            assert proc.stdout.readline().strip() == "reaped"
+            interrupted += any(p.name.startswith(".ckpt.tmp-") for p in tmp_path.iterdir())
+            assert verify_manifest(target)
+            state = load_state_dict(target)
+            values = {t.unique().item() for t in state.values()}
+            assert sorted(state) == [f"w{i}" for i in range(8)] and len(values) == 1, values
+            version = json.loads((target / "manifest.json").read_text())["producer"]["version"]
+            assert values == {float(version)}
+            versions.append(version)
+    finally:
+        proc.kill()
+        proc.wait()
+    print(f"versions after each kill {versions}; {interrupted} of 12 kills interrupted a write")
+    assert interrupted >= 4  # the kills did land mid-write, not only between writes
+    assert set(versions) == {1, 2}
+    write_checkpoint(target, SALAConfig(), {"w0": torch.zeros(2)}, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

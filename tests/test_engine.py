@@ -509,3 +509,18 @@ print("same tokens")
 
 def test_gpu_bench_exits_with_one_line_without_a_gpu():
     assert_gpu_bench_refuses_cpu("engine_gpu.py")
+
+
+def test_requests_are_compared_by_identity():
+    """Two requests with the same fields are still two requests: the scheduler's `in` and
+    `remove` over its lists must find this one, not its twin."""
+    from dataclasses import replace
+
+    from sala.engine.request import Request
+
+    a = Request([1, 2, 3], SamplingParams(), None, None, request_id="same")
+    b = replace(a)
+    assert a != b and b not in [a] and len({a, b}) == 2
+    running = [a, b]
+    running.remove(b)
+    assert running[0] is a

@@ -1,5 +1,6 @@
 """The quantize pipeline end to end on tiny-sala: real local Ray, real MLflow sqlite store, the
-real CLI in a subprocess; a worker killed mid-run; an interrupted run resumed; `ray job submit`."""
+real CLI in a subprocess; a worker process killed mid-run and a driver interrupted, both from
+outside (by pid); 1 worker against 2; `ray job submit`."""
 import hashlib
 import json
 import os
@@ -7,9 +8,12 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ import pytest
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "2", "--eval-sequences", "6", "--max-kl", "0.5"]
+SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6", "--max-kl", "0.5"]
 pytestmark = pytest.mark.slow
 
 
@@ -80,7 +84,7 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
     version = client.get_model_version_by_alias("tiny-q", "champion")
     assert version.tags["method"] == "gptq"
 
-    from pipelines.registry import resolve_model_path
+    from registry.models import resolve_model_path
 
     os.environ["SALA_HOME"], saved = env["SALA_HOME"], os.environ.get("SALA_HOME")
     try:
@@ -159,28 +163,71 @@ def test_last_lines_name_a_serve_command_that_works(env, sequential_run):
     assert "SIGTERM received" not in log and "Traceback" not in log
 
 
+def start_pipeline(env, *args):
+    """The pipeline in the background; its stdout lines collect in the returned list as they come."""
+    # SIGINT back to its default first: a test run started in the background (nohup, `cmd &`) hands
+    # its children SIGINT ignored, and then Python installs no KeyboardInterrupt handler.
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pipelines" / "quantize.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines, err = [], []
+    for stream, sink in ((proc.stdout, lines), (proc.stderr, err)):
+        threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
+    return proc, lines, err
+
+
+def wait_until(condition, proc, err, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "pipeline ended early:\n" + "".join(err)[-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path):
+    """Ctrl-C (SIGINT to the driver) once layer 3 is saved: exit 130, nothing at the output, the
+    finished layers kept; the same command again reuses them and writes the same bytes."""
     out = tmp_path / "resumed"
     args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", *SMALL]
-    first = run_pipeline(env, *args, check=False, extra_env={"SALA_INTERRUPT_AFTER_LAYER": "3"})
-    assert first.returncode != 0 and not out.exists()
     layers_dir = out.with_name(f".{out.name}.layers")
-    assert len(list(layers_dir.glob("layer_*.json"))) == 4
+    proc, _, err = start_pipeline(env, *args)
+    wait_until(lambda: (layers_dir / "layer_003.json").exists(), proc, err)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, "".join(err)[-3000:]
+    assert not out.exists()
+    kept = sorted(int(p.stem.split("_")[1]) for p in layers_dir.glob("layer_*.json"))
+    assert kept[:4] == [0, 1, 2, 3] and len(kept) < 8, kept
     second = run_pipeline(env, *args)
-    assert "reusing 4 finished layer(s) [0, 1, 2, 3]" in second.stdout
+    assert f"reusing {len(kept)} finished layer(s) {kept}" in second.stdout
     assert weights_sha(out) == weights_sha(sequential_run[0])
     assert not layers_dir.exists()
 
 
-def test_parallel_mode_survives_a_killed_worker(env, tiny_sala_dir, tmp_path):
-    common = ["--model", str(tiny_sala_dir), "--mode", "parallel", "--no-register", *SMALL]
-    clean = run_pipeline(env, *common, "--output", str(tmp_path / "clean"))
-    marker = tmp_path / "fault-fired"
-    faulty = run_pipeline(env, *common, "--output", str(tmp_path / "faulty"),
-                          extra_env={"SALA_FAULT_ONCE": f"layer=5,marker={marker}"})
-    assert marker.exists()  # the task for layer 5 really died once
-    assert weights_sha(tmp_path / "faulty") == weights_sha(tmp_path / "clean")
-    assert "gate (KL <= 0.5) passed" in clean.stdout and "gate (KL <= 0.5) passed" in faulty.stdout
+def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_dir, tmp_path):
+    """SIGKILL one worker actor's process while layers are being quantized: Ray restarts it, it
+    replays the quantized layers before its pending call, and the checkpoint is the same bytes."""
+    out = tmp_path / "faulty"
+    proc, lines, err = start_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--no-register", *SMALL)
+    layers_dir = out.with_name(f".{out.name}.layers")
+    wait_until(lambda: (layers_dir / "layer_002.json").exists(), proc, err)
+    assert not (layers_dir / "layer_007.json").exists()  # the kill lands mid-quantization
+    workers = next(line for line in lines if line.startswith("workers "))
+    pids = [int(p) for p in re.search(r"pids ([\d ]+)\)", workers).group(1).split()]
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, "".join(err)[-3000:]
+    assert weights_sha(out) == weights_sha(sequential_run[0])
+    assert "gate (KL <= 0.5) passed" in "".join(lines)
+
+
+def test_one_worker_writes_the_same_bytes_as_two(env, sequential_run, tiny_sala_dir, tmp_path):
+    """The Hessians are summed per calibration shard in shard order, so the worker count (here 1
+    against sequential_run's 2) changes the time, not a byte of the checkpoint."""
+    assert "workers    2 Ray actors" in sequential_run[1].stdout
+    one = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(tmp_path / "one"), "--workers", "1",
+                       "--no-register", *SMALL)
+    assert "workers    1 Ray actors" in one.stdout
+    assert weights_sha(tmp_path / "one") == weights_sha(sequential_run[0])
 
 
 @pytest.mark.parametrize(

@@ -358,8 +358,8 @@ def shell_commands(section: str, first_word: str) -> list[str]:
 @pytest.fixture
 def registered_tiny_sala(tiny_sala_dir, tmp_path, monkeypatch):
     """tiny-sala registered as the main job registers its checkpoint: tiny-sala-nvfp4@champion."""
-    from pipelines.registry import register_checkpoint, set_alias
-    from pipelines.tracking import setup_mlflow
+    from registry.models import register_checkpoint, set_alias
+    from registry.tracking import setup_mlflow
 
     env = {"SALA_HOME": str(tmp_path / "home"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     for k, v in env.items():

@@ -51,7 +51,9 @@ class Completion:
     latency_s: float
 
 
-@dataclass
+# eq=False: a request is itself, not its fields. The scheduler's `in` and `remove` over its
+# lists must find this request, never another whose prompt and state happen to be equal.
+@dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
     params: SamplingParams

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sala.checkpoint import CheckpointError, check_state_dict, load_state_dict, read_config, write_checkpoint
+from sala.checkpoint_files import CheckpointError, check_state_dict, load_state_dict, read_config, write_checkpoint
 from sala.quant.nvfp4 import NVFP4Tensor
 
 if TYPE_CHECKING:

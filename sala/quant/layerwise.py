@@ -8,13 +8,14 @@ The pieces the single-process CLI (`python -m sala.quant`) and the Ray pipeline
   because vLLM and SGLang fuse them into one GEMM with a single global scale.
 - `collect_hessians`: forward hooks accumulate X^T X per input site.
 - `quantize_layer`: GPTQ or RTN for every Linear of one layer, given that layer's weights and
-  Hessians; a pure function of tensors, so a Ray task can run it anywhere.
+  Hessians; `quantize_module` does one Linear under its fused group's amax (`group_amax`), so
+  the pipeline's workers can quantize the members of a group apart.
 - `apply_quantized`: put the quantized weights back into the model (packed NVFP4Linear, or
   dequantized into the existing Linear), e.g. to propagate calibration inputs in
   sequential mode.
-- `quantize_sequential`: the layer-by-layer driver, given a function that quantizes one layer
-  (in-process, or a Ray task); `quantize_model` runs it in this process with per-module
-  statistics (the CLI, the benchmarks).
+- `quantize_sequential`: the layer-by-layer driver in one process, given a function that
+  quantizes one layer; `quantize_model` runs it with per-module statistics (the CLI, the
+  benchmarks). The Ray pipeline does the same walk on its worker pool (pipelines/layer_pool.py).
 """
 from __future__ import annotations
 
@@ -94,20 +95,39 @@ def quantize_layer(
 ) -> dict[str, tuple[NVFP4Tensor, GPTQStats | None]]:
     """Quantize every Linear of one layer. Fused groups share the global scale, computed from
     the original weights before any GPTQ update."""
-    if method not in ("gptq", "rtn"):
-        raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
     out: dict[str, tuple[NVFP4Tensor, GPTQStats | None]] = {}
     for site, site_groups in groups.items():
         for group in site_groups:
-            amax = max(weights[m].abs().max() for m in group)
+            amax = group_amax(weights, group)
             for m in group:
-                name = f"{layer_name}.{m}"
-                if method == "rtn":
-                    out[m] = (quantize_rtn(weights[m], scale_rule, global_amax=amax), None)
-                else:
-                    out[m] = gptq_quantize(weights[m], hessians[site], scale_rule=scale_rule, global_amax=amax,
-                                           damp=damp, act_order=act_order, name=name)
+                out[m] = quantize_module(weights[m], (hessians or {}).get(site), amax, method=method, scale_rule=scale_rule,
+                                         act_order=act_order, damp=damp, name=f"{layer_name}.{m}")
     return out
+
+
+def group_amax(weights: dict[str, torch.Tensor], group: tuple[str, ...]) -> torch.Tensor:
+    """max |w| over a fused group: the amax its shared global scale is built on."""
+    return max(weights[m].abs().max() for m in group)
+
+
+def quantize_module(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | None,
+    amax: torch.Tensor,
+    *,
+    method: str = "gptq",
+    scale_rule: str = "4over6",
+    act_order: bool = False,
+    damp: float = 0.01,
+    name: str = "linear",
+) -> tuple[NVFP4Tensor, GPTQStats | None]:
+    """One Linear, GPTQ or RTN, under its fused group's amax: members of a group can be quantized
+    apart (in different processes) and still share their global scale."""
+    if method == "rtn":
+        return quantize_rtn(weight, scale_rule, global_amax=amax), None
+    if method != "gptq":
+        raise ValueError(f"method must be 'gptq' or 'rtn', got {method!r}")
+    return gptq_quantize(weight, hessian, scale_rule=scale_rule, global_amax=amax, damp=damp, act_order=act_order, name=name)
 
 
 def apply_quantized(layer: nn.Module, results: dict[str, NVFP4Tensor], packed: bool = False) -> None:
@@ -129,8 +149,8 @@ def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[i
     """Layer by layer: each layer's Hessians come from inputs that already went through the
     quantized layers before it, so GPTQ corrects the error those layers introduced.
 
-    quantize_fn(layer_idx, weights, hessians, groups) returns {module: (NVFP4Tensor, stats)}:
-    run in-process by `python -m sala.quant`, as Ray tasks by the pipeline. Layers already in
+    quantize_fn(layer_idx, weights, hessians, groups) returns {module: (NVFP4Tensor, stats)}.
+    Layers already in
     `finished` are not quantized again, only applied. on_layer(idx, results) runs after each
     newly quantized layer (progress, checkpointing of partial results).
     """

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP_SIZE = 16
+# The E2M1 table, the group size, unpacking and dequantization have one home, beside the GEMM
+# kernel that decodes the same bits (sala may import kernels, never the reverse).
+from kernels.nvfp4_gemm import E2M1_VALUES, GROUP_SIZE, decode_e2m1, dequantize_fp4, unpack_fp4  # noqa: F401  (public here too)
+
 FP4_MAX = 6.0
 FP8_MAX = 448.0
 # compressed-tensors replaces a zero FP8 group scale by this value (``_get_dtype_eps``) so
@@ -32,12 +35,6 @@ FP8_ZERO_SCALE_EPS = 0.125
 # the tensor maximum can still take the 1.5x larger "scale to 4" (256 * 1.5 = 384 <= 448).
 SCALE_RULES = {"6": 448.0, "4over6": 256.0}
 FOUR_OVER_SIX_EXPANSION = 1.5
-
-# Value of every code: magnitude from bits 0..2, sign from bit 3 (0x8 is -0.0).
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=torch.float32,
-)
 
 
 @dataclass
@@ -119,13 +116,6 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
         + (a > 5.0)
     )
     return mag | ((x < 0).to(torch.uint8) << 3)
-
-
-def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    # index_select rather than advanced indexing: on CPU the latter is ~1000x slower here,
-    # and GPTQ decodes one column per step.
-    table = E2M1_VALUES.to(codes.device)
-    return table.index_select(0, codes.flatten().int()).view(codes.shape)
 
 
 def _encode(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -215,8 +205,7 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """E2M1[code] * (scale / global), in fp32 like compressed-tensors, then cast to ``dtype``."""
-    step = (scale.float() / gscale.float()).repeat_interleave(GROUP_SIZE, dim=-1)
-    return (decode_e2m1(codes) * step).to(dtype)
+    return dequantize_fp4(codes, scale, gscale).to(dtype)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -224,8 +213,3 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd number of columns ({codes.shape[-1]})")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> uint8 [N, K] codes, inverse of ``pack_fp4``."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)

@@ -12,13 +12,24 @@ from pathlib import Path
 
 import yaml
 
-from sala.tiny import ensure_tiny_sala, sala_home
+from sala.tiny import sala_home, tiny_sala_path
 
 PYFUNC_CODE = Path(__file__).with_name("sala_pyfunc.py")
 
 
 class ModelSpecError(ValueError):
     """A --model value that is neither a checkpoint directory nor a registry URI that exists."""
+
+
+def default_model() -> str:
+    """tiny-sala's directory if it is built; resolution never trains it (a server replica must not
+    spend minutes building a model in its constructor): commands that may build it call
+    sala.tiny.ensure_tiny_sala() themselves, before resolving."""
+    path = tiny_sala_path()
+    if not (path / "manifest.json").exists():
+        raise ModelSpecError(f"no model given and tiny-sala is not built at {path}: "
+                             "run `python -m sala.tiny` once, or name a checkpoint")
+    return str(path)
 
 
 def register_checkpoint(checkpoint: Path, name: str, tags: dict | None = None, description: str | None = None) -> str:
@@ -75,13 +86,14 @@ def model_name(spec: str | None, model_dir: Path) -> str:
 
 
 def resolve_model_path(spec: str | None) -> Path:
-    """None -> tiny-sala; a directory -> itself; a registry URI -> its checkpoint, downloaded once."""
+    """A directory -> itself; a registry URI -> its checkpoint, downloaded once; None -> the
+    tiny-sala already built (see default_model)."""
     if spec is None:
-        return ensure_tiny_sala()
+        spec = default_model()
     if spec.startswith("models:/"):
         import mlflow
 
-        from pipelines.tracking import check_reachable, tracking_uri
+        from registry.tracking import check_reachable, tracking_uri
 
         check_reachable(tracking_uri())
         mlflow.set_tracking_uri(tracking_uri())

@@ -1,4 +1,4 @@
-"""MLflow setup shared by the pipelines: one tracking URI, checked before any expensive work.
+"""MLflow setup shared by the pipelines and the server: one tracking URI, checked before any expensive work.
 
 Unset MLFLOW_TRACKING_URI means the embedded default, a sqlite file under $SALA_HOME with
 artifacts beside it (absolute paths: `ray job submit` runs the driver in a throwaway directory).

@@ -1,0 +1,364 @@
+"""The files of a checkpoint directory (Hugging Face layout): safetensors only, durable atomic writes, a manifest.
+
+A checkpoint is written into a temporary sibling directory; every file and directory in it is
+fsynced, then it takes the target's place in one step: renamed there, or, when replacing an
+existing checkpoint, swapped with it (renameat2 RENAME_EXCHANGE on Linux, renamex_np
+RENAME_SWAP on macOS), so a reader finds the old checkpoint or the new one, never neither, and
+a crash at any point leaves a complete checkpoint under the final name. The parent directory is
+fsynced after the rename. A writer killed mid-way leaves only a temporary `.NAME.tmp-PID-*`
+beside the target, removed by the next write once that process is gone.
+
+`manifest.json` lists the sha256 of every file. Verification (on by default when loading) reports
+a flipped byte or a truncated shard with the file's name, and refuses a weight, config or
+tokenizer file the manifest does not list: loading would read it, and nothing vouches for it. A
+directory without a manifest (a checkpoint from the Hub) loads, with one warning that nothing
+was verified.
+
+This module knows files, not formats: `sala.checkpoint` builds models from them (dense or, through
+`sala.quant.export`, NVFP4), and both read and write through here.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime as _dt
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from sala.config import ConfigError, SALAConfig
+
+MANIFEST = "manifest.json"
+INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# Files that loading the model or its tokenizer reads: with a manifest, each must be listed in it.
+# Others (a README, tiny-sala's held-out text) are not read, so they are not checked.
+LOADED_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".tiktoken")
+LOADED_NAMES = ("vocab.txt", "merges.txt")
+
+log = logging.getLogger(__name__)
+_warned_unverified: set[Path] = set()
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked: the message names the file or key."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, producer: dict | None = None, metrics: dict | None = None) -> dict:
+    directory = Path(directory)
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[str(p.relative_to(directory))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    manifest = {
+        "format": "sala-manifest/1",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "producer": producer or {},
+        "metrics": metrics or {},
+        "files": files,
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return manifest
+
+
+def verify_manifest(directory: Path) -> bool:
+    """Check every file against the manifest; False when there is no manifest to check against.
+
+    Raises CheckpointError naming the first file whose size or sha256 differs, that is listed but
+    missing, or that loading would read but the manifest does not list."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        listed = json.loads(path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a valid manifest ({e!r})") from e
+    for name, entry in listed.items():
+        f = directory / name
+        if not f.exists():
+            raise CheckpointError(f"{f}: listed in {MANIFEST} but missing")
+        if f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {MANIFEST} says {entry['bytes']} (truncated?)")
+        if sha256_file(f) != entry["sha256"]:
+            raise CheckpointError(f"{f}: sha256 differs from {MANIFEST} (corrupted file)")
+    for f in sorted(directory.rglob("*")):
+        name = str(f.relative_to(directory))
+        if f.is_file() and name != MANIFEST and name not in listed and (f.suffix in LOADED_SUFFIXES or f.name in LOADED_NAMES):
+            raise CheckpointError(f"{f}: not listed in {MANIFEST} (a file added after the checkpoint was written)")
+    return True
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then every directory (deepest first, `root` last), to disk."""
+    dirs = [root]
+    for p in root.rglob("*"):
+        if p.is_dir():
+            dirs.append(p)
+        else:
+            _fsync(p)
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        _fsync(d)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` durably: a temporary sibling, fsynced, renamed over it, directory fsynced."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync(path.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_SWAP = 2  # macOS sys/stdio.h
+
+
+def exchange_paths(a: Path, b: Path) -> None:
+    """Swap two existing paths in one atomic step. OSError where the OS or filesystem cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        rc = libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rc = libc.renamex_np(os.fsencode(a), os.fsencode(b), _RENAME_SWAP)
+    else:
+        raise OSError(errno.ENOSYS, f"no atomic rename-exchange on {sys.platform}")
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _replace_directory(new: Path, target: Path) -> None:
+    """Put the complete directory `new` at `target`, an existing directory; afterwards `new`
+    holds the old contents (the caller removes them)."""
+    try:
+        exchange_paths(new, target)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        log.warning("%s: this filesystem cannot swap directories atomically (%s); replacing by two renames, "
+                    "so a reader may briefly find no checkpoint there", target, e.strerror)
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    target.rename(old)
+    new.rename(target)
+    old.rename(new)
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Temporaries of writers that died (their process is gone) beside `target`."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.tmp-(\d+)-")
+    for p in target.parent.iterdir():
+        m = pattern.match(p.name)
+        if m and p.is_dir() and not _process_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike, overwrite: bool = False):
+    """Yield a temporary directory beside `target`; if the block succeeds, flush it to disk and
+    put it at `target` in one step (swapping out an existing one when `overwrite`)."""
+    target = Path(target).absolute()
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if target.exists():
+            _replace_directory(tmp, target)  # tmp now holds the old checkpoint
+        else:
+            tmp.rename(target)
+        _fsync(target.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 4 << 30) -> list[str]:
+    """Write model.safetensors, or numbered shards plus the HF index when larger than one shard."""
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def write_checkpoint(
+    target: str | os.PathLike,
+    config,
+    state: dict[str, torch.Tensor],
+    generation_config=None,
+    tokenizer=None,
+    *,
+    overwrite: bool = False,
+    producer: dict | None = None,
+    metrics: dict | None = None,
+    max_shard_bytes: int = 4 << 30,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write config, weights, generation config, tokenizer, `extra_files` (name -> bytes) and the
+    manifest listing them all into `target` atomically."""
+    target = Path(target)
+    with atomic_directory(target, overwrite=overwrite) as tmp:
+        config.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        save_state_dict(state, tmp, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        write_manifest(tmp, producer, metrics)
+    return target.absolute()
+
+
+def save_checkpoint(
+    model,
+    target: str | os.PathLike,
+    tokenizer=None,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    producer: dict | None = None,
+    metrics: dict | None = None,
+    max_shard_bytes: int = 4 << 30,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Save a SALAForCausalLM (config, weights, tokenizer, generation config, manifest) atomically."""
+    state = model.state_dict()
+    config = model.config
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        config = type(config).from_dict({**config.to_dict(), "dtype": dtype})
+    return write_checkpoint(target, config, state, getattr(model, "generation_config", None), tokenizer,
+                            overwrite=overwrite, producer=producer, metrics=metrics, max_shard_bytes=max_shard_bytes,
+                            extra_files=extra_files)
+
+
+def read_config(path: str | os.PathLike) -> SALAConfig:
+    """Config of a checkpoint directory, with errors that name the directory or file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such model directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    if raw.get("model_type") != SALAConfig.model_type:
+        raise CheckpointError(f"{cfg_file}: model_type is {raw.get('model_type')!r}, expected 'minicpm_sala'")
+    try:
+        return SALAConfig.from_dict(raw)
+    except ConfigError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint; pickled weights are refused, never unpickled."""
+    index = path / INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{path}: only pickle weights ({', '.join(pickles)}); sala loads safetensors only")
+    raise CheckpointError(f"{path}: no *.safetensors weights")
+
+
+def load_state_dict(path: str | os.PathLike, verify: bool = True) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    files = weight_files(path)  # first: a directory with no usable weights says so, not that it is unverified
+    if verify and not verify_manifest(path) and path.absolute() not in _warned_unverified:
+        _warned_unverified.add(path.absolute())
+        log.warning("%s: no %s, so nothing in it was verified (loading the files as they are)", path, MANIFEST)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{f}: listed in {INDEX} but missing")
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
+    return state
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path, allow_extra: bool = False):
+    """Every parameter present with its exact shape; extra tensors are errors unless allowed."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: missing tensor {missing[0]}{more}")
+    for k, v in expected.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{source}: tensor {k} has shape {tuple(state[k].shape)}, model expects {tuple(v.shape)}")
+    extra = [k for k in state if k not in expected]
+    if extra and not allow_extra:
+        raise CheckpointError(f"{source}: unexpected tensor {extra[0]} (not a parameter of this config)")
