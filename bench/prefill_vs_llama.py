@@ -18,6 +18,16 @@ from sala.checkpoint import load_model
 from sala.tiny import ensure_tiny_sala
 
 
+def equal_size_llama(c, max_len: int) -> LlamaForCausalLM:
+    """A random-weight transformers Llama of tiny-sala's width, depth, heads and vocabulary (sdpa attention)."""
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                    num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                    max_position_embeddings=max_len, attn_implementation="sdpa")
+    ).eval()
+
+
 @torch.no_grad()
 def prefill_seconds(model, ids, repeat=3):
     model(ids[:, :64], use_cache=False)  # warm-up
@@ -35,12 +45,7 @@ def main():
     args = ap.parse_args()
     sala = load_model(ensure_tiny_sala())
     c = sala.config
-    llama = LlamaForCausalLM(
-        LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                    num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                    max_position_embeddings=max(args.lengths), attn_implementation="sdpa")
-    ).eval()
+    llama = equal_size_llama(c, max(args.lengths))
     print(f"prefill, hidden={c.hidden_size}, layers={c.num_hidden_layers} "
           f"({len(c.sparse_layers)} sparse + {len(c.lightning_layers)} lightning), threads={torch.get_num_threads()}")
     print(f"{'tokens':>8}{'tiny-sala s':>14}{'llama s':>12}{'llama/sala':>12}")

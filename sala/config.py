@@ -10,6 +10,8 @@ import math
 
 from transformers import PretrainedConfig
 
+from sala import sparse
+
 SPARSE = "minicpm4"
 LIGHTNING = "lightning-attn"
 _MIXER_ALIASES = {SPARSE: SPARSE, "lightning-attn": LIGHTNING, "lightning": LIGHTNING, "lightning_attn": LIGHTNING}
@@ -158,6 +160,11 @@ class SALAConfig(PretrainedConfig):
             raise ConfigError(f"rope_scaling: only plain RoPE (null) is supported, got {rope}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
+        if problem := sparse.validate(self.sparse_config):
+            raise ConfigError(problem)
+        if self.sparse_config.get("use_nope") and self.attn_use_rope:
+            raise ConfigError("sparse_config.use_nope=true with attn_use_rope=true is not supported: the compressed "
+                              "keys are made from the cached (rotated) keys")
 
     # Derived quantities the forward pass uses; kept here so every module agrees on them.
     @property

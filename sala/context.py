@@ -20,7 +20,10 @@ mapping is the scratch row): both keep the tree's K/V in `tree.saved`, and `comm
 writes the accepted path's K/V into the pages and advances the states along it.
 
 `cache` is the engine's CachePool: `k[layer]`, `v[layer]` [pages, page_size, kv_heads, head_dim]
-and `states[layer]` [slots, heads, d_k, d_v], each with one scratch page / slot at the end.
+and `states[layer]` [slots, heads, d_k, d_v], each with one scratch page / slot at the end; when
+a request can reach sparse_config.dense_len, also the InfLLM-v2 compressed keys `k1[layer]`,
+`k2[layer]` [pages * page_size / stride, kv_heads, head_dim] (sala/sparse.py), which sparse
+layers extend with the windows each step completes and read in the rows that attend sparsely.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class Span:
     past: int  # tokens of this request already in the cache
     state_slot: int = -1
     kv_rows: torch.Tensor | None = None  # [past + length] pool rows of positions 0 .. past + length - 1
+    prompt_len: int = 0  # the request's prompt length: InfLLM-v2 treats its prompt rows as one prefill call
 
 
 @dataclass
@@ -76,3 +80,4 @@ class StepContext:
     prefill_lengths: torch.Tensor | None = None  # [len(prefills)]
     batch_invariant: bool = False  # lightning layers run prompt chunks one at a time
     tree: TreeStep | None = None  # draft trees to verify, in place of decode rows
+    decode_prompt_lens: list[int] | None = None  # per decode row, when the pool keeps InfLLM-v2 compressed keys

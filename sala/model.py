@@ -11,13 +11,12 @@ Parameter names equal the real checkpoint's. There is one forward for two caller
 tokens as one row; each mixer then reads and writes the engine's K/V and state pools itself.
 For serving, `fuse_projections` turns q/k/v/gate and gate/up into one GEMM each.
 
-For contexts of at least `sparse_config.dense_len` tokens the official sparse layers switch to
-InfLLM-v2 block selection; this implementation always attends densely, which is exact below
-that length (tiny-sala's context is far below it) and warns once above it.
+From `sparse_config.dense_len` tokens on, the sparse layers switch to InfLLM-v2 block-sparse
+attention (sala/sparse.py), decided once per forward call as the official code does; below
+it they attend densely, which is exactly the official computation there.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -27,11 +26,9 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from sala import lightning, lightning_tree
+from sala import lightning, lightning_tree, sparse
 from sala.config import LIGHTNING, SALAConfig
 from sala.kv.pages import decode_attention
-
-log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -182,6 +179,7 @@ class SparseAttention(QKVOProjections):
     def __init__(self, config: SALAConfig, layer_idx: int):
         super().__init__(config, layer_idx, config.num_attention_heads, config.num_key_value_heads,
                          config.hidden_size // config.num_attention_heads, config.attn_use_output_gate)
+        self.sparse = sparse.SparseSettings.of(config)
 
     def forward(self, x, rope, cache: SALACache | None, key_mask: torch.Tensor | None, context=None):
         q, k, v, gate = self.heads(x)
@@ -204,8 +202,11 @@ class SparseAttention(QKVOProjections):
         if cache is not None:
             past = cache.kv_length(self.layer_idx)
             k, v = cache.append_kv(self.layer_idx, k, v)
-        if k.shape[2] >= self.config.sparse_config["dense_len"]:
-            _warn_dense_fallback(k.shape[2], self.config.sparse_config["dense_len"])
+        # The official switch: kv_len = max(position_ids) + 1 of this call (the longest sequence).
+        if k.shape[2] >= self.sparse.dense_len:
+            kv_len = k.shape[2] if key_mask is None else int(key_mask[:, : k.shape[2]].sum(-1).max())
+            if kv_len >= self.sparse.dense_len:
+                return self.attend_batch_sparse(q, k, v, cache, key_mask, past)
         gqa = self.n_heads != self.n_kv
         if key_mask is None and (past == 0 or q.shape[2] == 1):
             # No padding, and either a fresh prefill or one decode token: the flash path needs no
@@ -214,22 +215,59 @@ class SparseAttention(QKVOProjections):
         mask = causal_mask(q.shape[2], k.shape[2], past, key_mask, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
+    def attend_batch_sparse(self, q, k, v, cache: SALACache | None, key_mask: torch.Tensor | None, past: int):
+        """InfLLM-v2 for a [B, T] call, one sequence at a time over its real (unpadded) tokens.
+        A call of one token after the first is a decode step; any other call is a prefill."""
+        t = q.shape[2]
+        prefill = t > 1 or past == 0
+        out = q.new_zeros(q.shape)
+        for b in range(q.shape[0]):
+            keys, values = k[b].transpose(0, 1), v[b].transpose(0, 1)  # [S, Hkv, D]: the cached layout
+            rows = slice(None)
+            if key_mask is not None:
+                real = key_mask[b, : k.shape[2]].bool()
+                keys, values, rows = keys[real], values[real], real[-t:]
+            qb = q[b][:, rows]
+            n = keys.shape[0]
+            compressed = (cache.compressed_keys(self.layer_idx, b, self.sparse) if cache is not None
+                          else sparse.CompressedKeys(self.sparse)).extend(keys)
+            out[b][:, rows] = sparse.infllm_v2_attention(qb, keys, values, *compressed, n - qb.shape[1],
+                                                         n if prefill else 0, self.sparse, self.head_dim**-0.5)
+        return out
+
     def attend_step(self, q, k, v, ctx):
         """One engine step's flat rows (q [1, Hq, N, D]) over the paged K/V pool (sala/kv/pages.py:
         each layer's pages in its own format); see sala/context.py."""
         k_pages, v_pages = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
         k_pages.write(ctx.slot_mapping, k[0].transpose(0, 1))
         v_pages.write(ctx.slot_mapping, v[0].transpose(0, 1))
+        compressed = self.layer_idx in ctx.cache.k1
+        if compressed:
+            self.compress_step(ctx, k_pages, q.dtype)
         # A quantized cache: prompt chunks attend over what decode will read, not the exact K/V.
         lossless = k_pages.codec.lossless_for(q.dtype) and v_pages.codec.lossless_for(q.dtype)
         gqa = self.n_heads != self.n_kv
+        scale = self.head_dim**-0.5
         outs = [self.attend_tree(q, k, v, k_pages, v_pages, ctx.tree)] if ctx.tree else []
         if ctx.num_decode:
             q_dec = q[0, :, : ctx.num_decode].transpose(0, 1)
-            o = decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, self.head_dim**-0.5)
+            sparse_rows = [i for i, (n, p) in enumerate(zip(ctx.context_lens.tolist(), ctx.decode_prompt_lens))
+                           if sparse.call_length(n - 1, p) >= self.sparse.dense_len] if ctx.decode_prompt_lens else []
+            if sparse_rows:
+                o = self.decode_sparse(q_dec, ctx, k_pages, v_pages, sparse_rows)
+            else:
+                o = decode_attention(q_dec, k_pages, v_pages, ctx.block_tables, ctx.context_lens, scale)
             outs.append(o.transpose(0, 1))  # [Hq, n_decode, D]
         for span in ctx.prefills:
             end = span.start + span.length
+            qs = q[:, :, span.start : end]
+            pos = torch.arange(span.past, span.past + span.length, device=q.device)
+            dense = sparse.dense_rows(pos, span.prompt_len, self.sparse) if compressed else None
+            if dense is not None and not bool(dense.all()):
+                keys, values, k1, k2 = self.request_keys(ctx, k_pages, v_pages, span.kv_rows, q.dtype)
+                outs.append(sparse.infllm_v2_attention(qs[0], keys, values, k1, k2, span.past, span.prompt_len,
+                                                       self.sparse, scale, dense))
+                continue
             if span.past == 0 and lossless:  # a fresh prompt: its own K/V, causal flash path
                 ks, vs = k[:, :, span.start : end], v[:, :, span.start : end]
             else:
@@ -237,10 +275,31 @@ class SparseAttention(QKVOProjections):
                 ks = k_pages.read(rows, q.dtype).transpose(0, 1)[None]
                 vs = v_pages.read(rows, q.dtype).transpose(0, 1)[None]
             mask = None if span.past == 0 else causal_mask(span.length, span.past + span.length, span.past, None, q.device)
-            o = F.scaled_dot_product_attention(q[:, :, span.start : end], ks, vs, attn_mask=mask,
-                                               is_causal=mask is None, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
             outs.append(o[0])
         return _rows_with_padding(outs, q)
+
+    def compress_step(self, ctx, k_pages, dtype: torch.dtype) -> None:
+        """Add the InfLLM-v2 compressed-key windows this step's keys complete to the pool. Decode
+        rows in tensor ops only (a compiled or captured decode step runs this too): each computes
+        the window ending at its token and writes it where it belongs, or to scratch if incomplete."""
+        cache, ps, nd = ctx.cache, ctx.cache.page_size, ctx.num_decode
+        for pool, (size, stride) in zip((cache.k1[self.layer_idx], cache.k2[self.layer_idx]), self.sparse.levels):
+            if nd:
+                length = ctx.positions[:nd] + 1
+                tok = torch.minimum((length - size).clamp(min=0)[:, None] + torch.arange(size, device=length.device),
+                                    length[:, None] - 1)  # [nd, size] positions, clamped while incomplete
+                rows = ctx.block_tables.gather(1, tok // ps) * ps + tok % ps
+                complete = (length >= size) & ((length - size) % stride == 0)
+                target = torch.where(complete, rows[:, 0] // stride, cache.scratch_row // stride)
+                pool.index_copy_(0, target, sparse.window_means(_read_rows(k_pages, rows, dtype)))
+            for span in ctx.prefills:
+                first = sparse.num_windows(span.past, size, stride)
+                n = sparse.num_windows(span.past + span.length, size, stride)
+                if n > first:
+                    starts = torch.arange(first, n, device=span.kv_rows.device) * stride
+                    rows = span.kv_rows[starts[:, None] + torch.arange(size, device=starts.device)]
+                    pool.index_copy_(0, rows[:, 0] // stride, sparse.window_means(_read_rows(k_pages, rows, dtype)))
 
     def attend_tree(self, q, k, v, k_pages, v_pages, tree):
         """Each tree node over its request's committed K/V and its own ancestors -> [Hq, R*T, D].
@@ -267,6 +326,11 @@ class SparseAttention(QKVOProjections):
             pages.write(dest_rows, saved.transpose(1, 2).flatten(0, 1)[nodes])  # [M, Hkv, D], quantized by the format
 
 
+def _read_rows(pages, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows of any shape [...] -> their dequantized values [..., H, D]."""
+    return pages.read(rows.reshape(-1), dtype).unflatten(0, rows.shape)
+
+
 def _through_format(x: torch.Tensor, pages, dtype: torch.dtype) -> torch.Tensor:
     """x [R, H, T, D] quantized and dequantized by a KVPages' codec (unchanged for a lossless one)."""
     if pages.codec.lossless_for(dtype):
@@ -275,19 +339,30 @@ def _through_format(x: torch.Tensor, pages, dtype: torch.dtype) -> torch.Tensor:
     return pages.codec.decode(*pages.codec.encode(rows), dtype).unflatten(0, x.shape[::2]).transpose(1, 2)
 
 
-_warned_dense = False
+    def request_keys(self, ctx, k_pages, v_pages, kv_rows: torch.Tensor, dtype):
+        """One request's keys and values [L, Hkv, D] and compressed keys K1 / K2 from the pools."""
+        cache, n = ctx.cache, kv_rows.shape[0]
+        k1, k2 = (pool[kv_rows[torch.arange(sparse.num_windows(n, size, stride), device=kv_rows.device) * stride] // stride]
+                  for pool, (size, stride) in zip((cache.k1[self.layer_idx], cache.k2[self.layer_idx]), self.sparse.levels))
+        return k_pages.read(kv_rows, dtype), v_pages.read(kv_rows, dtype), k1, k2
 
-
-def _warn_dense_fallback(kv_len: int, dense_len: int) -> None:
-    global _warned_dense
-    if not _warned_dense:
-        log.warning(
-            "context of %d tokens reaches sparse_config.dense_len=%d: attending densely, which differs "
-            "from the official InfLLM-v2 block selection at this length",
-            kv_len,
-            dense_len,
-        )
-        _warned_dense = True
+    def decode_sparse(self, q_dec, ctx, k_pages, v_pages, sparse_rows: list[int]) -> torch.Tensor:
+        """Decode rows [n_decode, Hq, D]: the sparse ones one request at a time, the rest batched."""
+        o = torch.empty_like(q_dec)
+        scale = self.head_dim**-0.5
+        dense = [i for i in range(q_dec.shape[0]) if i not in set(sparse_rows)]
+        if dense:
+            idx = torch.tensor(dense, device=q_dec.device)
+            o[idx] = decode_attention(q_dec[idx], k_pages, v_pages, ctx.block_tables[idx], ctx.context_lens[idx], scale)
+        ps = ctx.cache.page_size
+        for i in sparse_rows:
+            n = int(ctx.context_lens[i])
+            pos = torch.arange(n, device=q_dec.device)
+            kv_rows = ctx.block_tables[i, pos // ps] * ps + pos % ps
+            keys, values, k1, k2 = self.request_keys(ctx, k_pages, v_pages, kv_rows, q_dec.dtype)
+            o[i] = sparse.infllm_v2_attention(q_dec[i][:, None], keys, values, k1, k2, n - 1, ctx.decode_prompt_lens[i],
+                                              self.sparse, scale)[:, 0]
+        return o
 
 
 def causal_mask(t_q: int, t_k: int, past: int, key_mask: torch.Tensor | None, device) -> torch.Tensor:
@@ -434,6 +509,7 @@ class SALACache:
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     states: dict[int, torch.Tensor] = field(default_factory=dict)
+    compressed: dict[int, list[sparse.CompressedKeys]] = field(default_factory=dict)  # InfLLM-v2 K1/K2 per sequence
     first_sparse: int = 0
 
     def kv_length(self, layer_idx: int) -> int:
@@ -450,10 +526,19 @@ class SALACache:
         self.keys[layer_idx], self.values[layer_idx] = k, v
         return k, v
 
+    def compressed_keys(self, layer_idx: int, row: int, settings: sparse.SparseSettings) -> sparse.CompressedKeys:
+        """Sequence `row`'s compressed keys in a layer, made on its first sparse call and then extended."""
+        rows = self.compressed.setdefault(layer_idx, [])
+        while len(rows) <= row:
+            rows.append(sparse.CompressedKeys(settings))
+        return rows[row]
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for d in (self.keys, self.values, self.states):
             for i in d:
                 d[i] = d[i].index_select(0, beam_idx.to(d[i].device))
+        for i, rows in self.compressed.items():
+            self.compressed[i] = [rows[j].copy() for j in beam_idx.tolist()] if rows else rows
 
 
 class SALAPreTrainedModel(PreTrainedModel):
@@ -499,6 +584,9 @@ class SALAModel(SALAPreTrainedModel):
         elif position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = positions_from(attention_mask, b, t, past, h.device)
+        if context is None and t and int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(position_ids.max())} is past max_position_embeddings="
+                             f"{self.config.max_position_embeddings} (prompt plus cache too long for this model)")
         rope = self.rope(position_ids)
         for layer in self.layers:
             h = layer(h, rope, cache, attention_mask, t, context)

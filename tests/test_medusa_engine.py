@@ -85,19 +85,23 @@ def test_verify_writes_no_pool_and_commit_writes_only_the_accepted_path(base, he
     reqs = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts[:2]]
     engine.step()  # both prompts prefilled, drafts made
     cache = engine.cache
-    before = {n: {i: t.clone() for i, t in d.items()} for n, d in (("k", cache.k), ("v", cache.v), ("states", cache.states))}
+    def tensors(d):  # K/V pages are KVPages (their codes in .data), states plain tensors
+        return {i: getattr(t, "data", t) for i, t in d.items()}
+
+    before = {n: {i: t.clone() for i, t in tensors(d).items()} for n, d in (("k", cache.k), ("v", cache.v),
+                                                                            ("states", cache.states))}
     sched = engine.scheduler.schedule()
     assert sched.decodes == reqs and not sched.prefills
     step, logits = engine.runner.run(sched)
     assert logits.shape[0] == 2 * engine.tree.num_nodes and step.verified == reqs
     for name, d in (("k", cache.k), ("v", cache.v), ("states", cache.states)):
-        for i, t in d.items():  # the last page / slot is scratch: padding and tree rows may write there
+        for i, t in tensors(d).items():  # the last page / slot is scratch: padding and tree rows may write there
             assert torch.equal(t[:-1], before[name][i][:-1]), f"verify wrote {name}[{i}]"
     computed = [r.num_computed for r in reqs]
     engine._verify(step, logits, step.hidden)
     written = {int(cache.row(r, p)) for r, c in zip(reqs, computed) for p in range(c, r.num_computed)}
     assert len(written) == sum(r.num_computed - c for r, c in zip(reqs, computed))
-    for i, t in cache.k.items():
+    for i, t in tensors(cache.k).items():
         changed = [row for row in (t != before["k"][i]).flatten(2).any(-1).flatten().nonzero()[:, 0].tolist()
                    if row < cache.scratch_row]
         assert set(changed) <= written and changed, f"layer {i}: K/V rows {changed} written, expected {sorted(written)}"

@@ -10,6 +10,12 @@ Lightning layers keep one state [heads, d_k, d_v] per request per layer (fp32, o
 the plan says so), whatever the sequence length, in [max_seqs + 1, heads, d_k, d_v] tensors; a
 request owns one slot.
 
+When a request can reach sparse_config.dense_len, sparse layers also keep InfLLM-v2's
+compressed keys (sala/sparse.py), fp32, stored by page: compressed window j lives beside the
+page holding its first key, at row (pool row of key j * stride) // stride, so the windows come
+and go with the K/V pages and need no allocation of their own (page_size must then be a
+multiple of the K2 stride).
+
 The last page and the last state slot are scratch: padding rows of a step (added to round a
 batch up) write there, so every row of a step is a valid write and a captured CUDA graph
 needs no branches.
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sala import sparse
 from sala.engine.request import Request
 from sala.kv import KVPages, KVPlan
 
@@ -35,6 +42,15 @@ class CacheFull(RuntimeError):
 def kv_bytes_per_token(config, kv_plan: KVPlan) -> int:
     """K and V of one token across all sparse layers, in each layer's format."""
     return sum(kv_plan.kv_bytes_per_token(config).values())
+
+
+def compressed_bytes_per_page(config, max_model_len: int, page_size: int) -> int:
+    """InfLLM-v2 compressed keys of one page across all sparse layers (0 when no request of
+    max_model_len tokens reaches dense_len, so none are kept)."""
+    if not sparse.sparse_reachable(config, max_model_len):
+        return 0
+    windows = sum(page_size // stride for _, stride in sparse.SparseSettings.of(config).levels)
+    return len(config.sparse_layers) * windows * config.num_key_value_heads * config.head_dim * 4
 
 
 def state_bytes_per_seq(config, kv_plan: KVPlan | None = None) -> int:
@@ -53,6 +69,15 @@ class MemoryPlan:
     kv_bytes_per_token: int
     state_bytes_per_seq: int
     max_model_len: int
+    compressed_bytes_per_page: int = 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.kv_bytes_per_token + self.compressed_bytes_per_page
+
+    def request_bytes(self, n_tokens: int) -> int:
+        """What one request of n_tokens holds: pages of K/V (sparse layers only) and the constant state."""
+        return -(-n_tokens // self.page_size) * self.page_bytes + self.state_bytes_per_seq
 
     @property
     def max_kv_tokens(self) -> int:
@@ -65,14 +90,20 @@ class MemoryPlan:
 
 
 def full_request_kv_bytes(config, max_model_len: int, page_size: int, kv_plan: KVPlan) -> int:
-    """K/V pages of one request of max_model_len tokens: the least a cache must hold."""
-    return -(-max_model_len // page_size) * page_size * kv_bytes_per_token(config, kv_plan)
+    """K/V pages (and compressed keys) of one request of max_model_len tokens: the least a cache must hold."""
+    return -(-max_model_len // page_size) * (page_size * kv_bytes_per_token(config, kv_plan)
+                                             + compressed_bytes_per_page(config, max_model_len, page_size))
 
 
 def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, page_size: int,
                 kv_plan: KVPlan) -> MemoryPlan:
     kv_token, state = kv_bytes_per_token(config, kv_plan), state_bytes_per_seq(config, kv_plan)
-    page = page_size * kv_token
+    compressed = compressed_bytes_per_page(config, max_model_len, page_size)
+    k2_stride = sparse.SparseSettings.of(config).levels[1][1]
+    if compressed and page_size % k2_stride:
+        raise ValueError(f"page_size={page_size} must be a multiple of {k2_stride} (4 x sparse_config.kernel_stride) "
+                         f"when requests can reach sparse_config.dense_len: compressed keys are stored by page")
+    page = page_size * kv_token + compressed
     one_full = full_request_kv_bytes(config, max_model_len, page_size, kv_plan)
     if budget_bytes < one_full + state:
         raise CacheFull(f"a cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one request of max_model_len="
@@ -80,7 +111,7 @@ def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, pa
                         f"budget (memory_bytes / gpu_memory_utilization) or lower max_model_len")
     seqs = int(min(max_seqs, (budget_bytes - one_full) // state)) if state else max_seqs
     pages = int((budget_bytes - seqs * state) // max(page, 1))
-    return MemoryPlan(budget_bytes, page_size, pages, seqs, kv_token, state, max_model_len)
+    return MemoryPlan(budget_bytes, page_size, pages, seqs, kv_token, state, max_model_len, compressed)
 
 
 class CachePool:
@@ -96,6 +127,11 @@ class CachePool:
         h, dl = config.lightning_nh, config.lightning_head_dim
         self.states = {i: torch.zeros(plan.max_seqs + 1, h, dl, dl, dtype=kv_plan.state_dtype(i), device=device)
                        for i in config.lightning_layers}
+        self.compressed = plan.compressed_bytes_per_page > 0
+        k1_stride, k2_stride = (st for _, st in sparse.SparseSettings.of(config).levels)
+        rows = (plan.num_pages + 1) * plan.page_size
+        self.k1 = {i: torch.zeros(rows // k1_stride, n_kv, d, device=device) for i in config.sparse_layers if self.compressed}
+        self.k2 = {i: torch.zeros(rows // k2_stride, n_kv, d, device=device) for i in config.sparse_layers if self.compressed}
         self.scratch_page, self.scratch_slot = plan.num_pages, plan.max_seqs
         self.free_pages = list(range(plan.num_pages - 1, -1, -1))
         self.free_state_slots = list(range(plan.max_seqs - 1, -1, -1))

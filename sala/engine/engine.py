@@ -124,6 +124,10 @@ class Engine:
         self.prefix = PrefixCache(self.cache, config, prefix_snapshot_interval, prefix_snapshot_bytes, exact=batch_invariant) \
             if prefix_cache else None
         granule = lightning.CHUNK_SIZE if batch_invariant else 1
+        if medusa is not None and self.cache.compressed:
+            raise ValueError(f"Medusa tree verify does not run InfLLM-v2's sparse path yet: with Medusa, max_model_len "
+                             f"({self.max_model_len}) must stay at or below sparse_config.dense_len "
+                             f"({config.sparse_config['dense_len']})")
         self.medusa, self.tree = medusa, None
         decode_tokens = 1
         if medusa is not None:
@@ -139,10 +143,6 @@ class Engine:
             self.scheduler.decode_tokens, self.scheduler.lookahead = decode_tokens, self.tree.max_depth
         self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.tree)
         self.eos_ids = stop_token_ids(model, tokenizer)
-        dense_len = config.sparse_config["dense_len"]
-        if self.max_model_len > dense_len:
-            log.warning("sparse layers attend densely: contexts of %d tokens or more will differ from the official "
-                        "InfLLM-v2 block selection (sparse_config.dense_len)", dense_len)
         # Running totals for monitoring: tokens generated and finishes by the step thread, prompt tokens on add.
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -218,8 +218,15 @@ class Engine:
             raise InvalidParam("prompt", f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len}")
         if len(ids) + params.max_tokens > min(self.max_model_len, self.cache.max_tokens):
             limit = min(self.max_model_len, self.cache.max_tokens) - len(ids)
+            plan = self.cache.plan
             raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} but the prompt ({len(ids)} tokens) "
-                                             f"leaves room for at most {limit}")
+                                             f"leaves room for at most {limit}: {len(ids) + params.max_tokens} tokens "
+                                             f"need {plan.request_bytes(len(ids) + params.max_tokens) / 2**20:.1f} MiB "
+                                             f"(K/V of {len(self.config.sparse_layers)} sparse layers, "
+                                             f"{plan.page_bytes / plan.page_size:.0f} B a token, plus a "
+                                             f"{plan.state_bytes_per_seq / 2**20:.2f} MiB lightning state) and the "
+                                             f"cache holds {plan.max_kv_tokens} tokens "
+                                             f"({plan.num_pages * plan.page_bytes / 2**20:.1f} MiB of K/V)")
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.no_stop_trim)
         req = Request(ids, params, detokenizer, on_output)
         if self.medusa is not None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sala import sparse
 from sala.context import Span, StepContext, TreeStep
 from sala.engine.cache import CachePool
 from sala.engine.request import Request
@@ -91,6 +92,8 @@ class ModelRunner:
             ctx.block_tables = torch.tensor([r.pages + [cache.scratch_page] * (width - len(r.pages)) for r in dec], device=dev)
             ctx.context_lens = torch.tensor([p + 1 for p in pos], device=dev)
             ctx.state_slots = torch.tensor([r.state_slot for r in dec], device=dev)
+            if cache.compressed:
+                ctx.decode_prompt_lens = [len(r.prompt_ids) for r in dec]
         sample_rows, rows = list(range(len(dec))), StepRows(list(dec), [])
         slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)]
         return self._add_prefills(sched, ids, pos, slot_parts, ctx, sample_rows, rows, len(dec))
@@ -122,7 +125,8 @@ class ModelRunner:
             ids += r.token_slice(start, end)
             pos += range(start, end)
             slot_parts.append(cache.rows(r, start, end))
-            ctx.prefills.append(Span(row, end - start, start, r.state_slot, cache.rows(r, 0, end) if start else None))
+            kv_rows = cache.rows(r, 0, end) if start or cache.compressed else None
+            ctx.prefills.append(Span(row, end - start, start, r.state_slot, kv_rows, len(r.prompt_ids)))
             self._prompt_logprob_rows(r, start, end, row, prompt_rows, rows.prompt_targets)
             row += end - start
             if end == r.num_tokens:
@@ -158,7 +162,7 @@ class ModelRunner:
         commit_tree); returns which rows mean what and the fp32 logits of the verified tree
         rows, then the sampled rows, then the prompt-logprob rows."""
         ids, ctx, logit_rows, rows = self.prepare(sched)
-        if self.fast_decode is not None and not ctx.prefills and ctx.tree is None:
+        if self.fast_decode is not None and not ctx.prefills and ctx.tree is None and not self._sparse_decodes(sched):
             logits = self.fast_decode(ids, ctx)
             if logits is not None:
                 return rows, logits
@@ -171,6 +175,12 @@ class ModelRunner:
         """The final hidden of the logits rows divided by the muP logit divisor: what lm_head and the Medusa heads read."""
         hidden = self.model.model(ids[None], context=ctx)[0]
         return hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)] / self.model.config.logit_divisor
+
+    def _sparse_decodes(self, sched: Schedule) -> bool:
+        """Whether a decode row attends sparsely (InfLLM-v2): such steps run eagerly."""
+        dense_len = self.model.config.sparse_config["dense_len"]
+        return self.cache.compressed and any(sparse.call_length(r.num_computed, len(r.prompt_ids)) >= dense_len
+                                             for r in sched.decodes)
 
     def forward(self, ids: torch.Tensor, ctx: StepContext, logit_rows: list[int] | None = None) -> torch.Tensor:
         hidden = self.model.model(ids[None], context=ctx)[0]
