@@ -325,20 +325,6 @@ class SparseAttention(QKVOProjections):
         for saved, pages in ((kt, ctx.cache.k[self.layer_idx]), (vt, ctx.cache.v[self.layer_idx])):
             pages.write(dest_rows, saved.transpose(1, 2).flatten(0, 1)[nodes])  # [M, Hkv, D], quantized by the format
 
-
-def _read_rows(pages, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Pool rows of any shape [...] -> their dequantized values [..., H, D]."""
-    return pages.read(rows.reshape(-1), dtype).unflatten(0, rows.shape)
-
-
-def _through_format(x: torch.Tensor, pages, dtype: torch.dtype) -> torch.Tensor:
-    """x [R, H, T, D] quantized and dequantized by a KVPages' codec (unchanged for a lossless one)."""
-    if pages.codec.lossless_for(dtype):
-        return x
-    rows = x.transpose(1, 2).flatten(0, 1)  # [R*T, H, D]
-    return pages.codec.decode(*pages.codec.encode(rows), dtype).unflatten(0, x.shape[::2]).transpose(1, 2)
-
-
     def request_keys(self, ctx, k_pages, v_pages, kv_rows: torch.Tensor, dtype):
         """One request's keys and values [L, Hkv, D] and compressed keys K1 / K2 from the pools."""
         cache, n = ctx.cache, kv_rows.shape[0]
@@ -363,6 +349,19 @@ def _through_format(x: torch.Tensor, pages, dtype: torch.dtype) -> torch.Tensor:
             o[i] = sparse.infllm_v2_attention(q_dec[i][:, None], keys, values, k1, k2, n - 1, ctx.decode_prompt_lens[i],
                                               self.sparse, scale)[:, 0]
         return o
+
+
+def _read_rows(pages, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows of any shape [...] -> their dequantized values [..., H, D]."""
+    return pages.read(rows.reshape(-1), dtype).unflatten(0, rows.shape)
+
+
+def _through_format(x: torch.Tensor, pages, dtype: torch.dtype) -> torch.Tensor:
+    """x [R, H, T, D] quantized and dequantized by a KVPages' codec (unchanged for a lossless one)."""
+    if pages.codec.lossless_for(dtype):
+        return x
+    rows = x.transpose(1, 2).flatten(0, 1)  # [R*T, H, D]
+    return pages.codec.decode(*pages.codec.encode(rows), dtype).unflatten(0, x.shape[::2]).transpose(1, 2)
 
 
 def causal_mask(t_q: int, t_k: int, past: int, key_mask: torch.Tensor | None, device) -> torch.Tensor:

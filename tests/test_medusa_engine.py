@@ -115,7 +115,7 @@ def test_usage_reports_spec_counters_as_sglang():
     from serve.protocol import Choice, usage
 
     c = Choice(0)
-    c.add(RequestOutput("r", [1, 2, 3], "", [], [], False, None, 5, 3, SpecStats(2, 126, 1, [1, 0, 0, 0])))
+    c.add(RequestOutput("r", [1, 2, 3], "", [], [], False, None, 5, 3, spec=SpecStats(2, 126, 1, [1, 0, 0, 0])))
     u = usage([c], 5)
     assert u["spec_verify_ct"] == 2 and u["spec_accept_token_num"] == 1 and u["spec_draft_token_num"] == 126
     assert u["spec_accept_length"] == 1.5 and u["completion_tokens"] == 3

@@ -10,6 +10,7 @@ from sala.config import SALAConfig
 from sala.engine import Engine, SamplingParams
 from sala.engine.cache import plan_memory
 from sala.engine.params import InvalidParam
+from sala.kv import default_plan
 from sala.model import SALAForCausalLM
 
 # tiny-sala's weights with a short dense_len: requests past 256 tokens go sparse, and late
@@ -111,7 +112,7 @@ def test_reference_really_is_sparse(model, reference):
 
 def test_memory_plan_counts_compressed_keys_only_when_reachable(model):
     c = model.config
-    kv = {i: torch.float32 for i in c.sparse_layers}
+    kv = default_plan(c, torch.float32)
     short = plan_memory(c, 64 << 20, 4, 255, 64, kv)
     long = plan_memory(c, 64 << 20, 4, 1024, 64, kv)
     assert short.compressed_bytes_per_page == 0
