@@ -113,3 +113,22 @@ def medusa_checkpoint(tiny_sala_dir, tmp_path_factory):
     out = train.write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa")
     torch.set_num_threads(n)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Engine tests run tiny-sala on one torch thread: its matmuls are too small to gain from a
+    second, and on a shared 2-core machine OpenMP threads waiting on a busy core make every op
+    many times slower. Modules use it with `pytestmark = pytest.mark.usefixtures(...)`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_sala_dir):
+    """tiny-sala's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_sala_dir)

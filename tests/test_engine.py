@@ -22,28 +22,13 @@ from sala.kv import KVPlan
 from sala.tiny import heldout_texts
 from tests.conftest import assert_gpu_bench_refuses_cpu
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N_NEW = 12
 # Measured: fast-mode engine logprobs differ from the full forward's by at most ~4e-6 in fp32
 # (decode uses the lightning one-step form, the reference the chunked form; fused GEMMs round
 # differently); 1e-4 leaves room without hiding a bug.
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """tiny-sala's matmuls are too small to gain from a second thread, and on a shared 2-core
-    machine OpenMP threads waiting on a busy core make every op many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_sala_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_sala_dir)
 
 
 def nvfp4_model(model):

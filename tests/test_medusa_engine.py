@@ -17,15 +17,9 @@ from sala.medusa.heads import load_heads
 from sala.tiny import heldout_texts
 from tests.test_engine import nvfp4_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N_PROMPTS, N_NEW = 50, 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,9 @@ from sala.medusa import train
 from sala.medusa.heads import MedusaConfig, MedusaHeads, load_heads
 from sala.tiny import heldout_texts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -10,23 +10,16 @@ is held by anyone.
 import copy
 
 import pytest
-import torch
 
 from sala.engine import Engine, SamplingParams
 from sala.tiny import heldout_texts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PAGE, INTERVAL = 16, 128
 # Measured: reuse vs none differ by at most ~1e-6 in fp32 (the resumed chunk is a different
 # shape of matmul); the engine tests' tolerance for differently batched steps.
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -21,22 +21,9 @@ from sala.engine.request import Request
 from sala.engine.sampling import filtered_probs, sample
 from sala.tiny import heldout_texts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 EOS = {2, 4}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_sala_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_sala_dir)
 
 
 @pytest.fixture(scope="module")

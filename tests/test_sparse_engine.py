@@ -13,6 +13,8 @@ from sala.engine.params import InvalidParam
 from sala.kv import default_plan
 from sala.model import SALAForCausalLM
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # tiny-sala's weights with a short dense_len: requests past 256 tokens go sparse, and late
 # queries see 5 blocks of up to 16: the init block, the local one, their own and 2 by score.
 SPARSE = {"block_size": 64, "dense_len": 256, "init_blocks": 1, "kernel_size": 32, "kernel_stride": 16,
@@ -21,21 +23,6 @@ N_NEW = 12
 # Measured: engine logprobs differ from transformers' by at most ~3e-6 here (chunked vs one-shot
 # lightning forms, fused GEMMs); a selection that differs by one block moves them by > 1e-2.
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_sala_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_sala_dir)
 
 
 @pytest.fixture(scope="module")
