@@ -1,5 +1,7 @@
 """pipelines/kv_sensitivity.py on tiny-sala with local Ray and MLflow on a temp sqlite."""
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -19,10 +21,26 @@ def local_ray():
         ray.shutdown()
 
 
+def crashing(marker: Path):
+    """measure_task, except that the first task measuring the first sparse layer in NVFP4 kills
+    its worker process (as a lost node would); the marker file says it happened."""
+    def crashing_measure_task(model_path, plan_json, windows, reference, num_threads=1):
+        from pipelines.kv_sensitivity import measure_task  # the worker imports the unpatched module
+
+        first_sparse = next(e for e in plan_json["layers"] if e["kind"] == "sparse")
+        if first_sparse["kv"] == "nvfp4" and not marker.exists():
+            marker.write_text("crashed")
+            os._exit(1)
+        return measure_task(model_path, plan_json, windows, reference, num_threads)
+    return crashing_measure_task
+
+
 def test_ablation_one_result_per_unit_budget_met_artifacts_logged(tiny_sala_dir, tmp_path, monkeypatch, local_ray, capsys):
+    """With the worker measuring the first sparse layer's unit killed once: retried, same numbers."""
     import mlflow
     from mlflow import MlflowClient
 
+    import pipelines.kv_sensitivity as ks
     from pipelines.kv_sensitivity import main
     from sala.checkpoint import read_config
     from sala.engine import Engine
@@ -30,6 +48,9 @@ def test_ablation_one_result_per_unit_budget_met_artifacts_logged(tiny_sala_dir,
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("SALA_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    marker = tmp_path / "crashed"
+    real_measure_task = ks.measure_task
+    monkeypatch.setattr(ks, "measure_task", crashing(marker))
     out = tmp_path / "tiny-kv"
     rc = main(["--model", str(tiny_sala_dir), "--windows", "2", "--calib-windows", "2", "--output", str(out)])
     printed = capsys.readouterr().out
@@ -39,6 +60,26 @@ def test_ablation_one_result_per_unit_budget_met_artifacts_logged(tiny_sala_dir,
     plan = json.loads((out / "kv_plan.json").read_text())
     assert sorted((r["kind"], r["layer"]) for r in plan["table"]) == sorted(units(config))  # one result per unit
     assert all({"kl_mean", "top1_agreement", "ppl"} <= set(r) for r in plan["table"])
+    assert marker.exists()  # the crash happened, and the retry measured what an undisturbed run does:
+    # the unit's numbers equal the same measurement made here, in-process.
+    from transformers import AutoTokenizer
+
+    from sala.checkpoint import load_model
+    from sala.eval.compare import window_sequences
+    from sala.kv import KVPlan
+    from sala.kv.measure import plan_logprobs
+    from sala.tiny import heldout_texts, token_stream
+
+    model = load_model(tiny_sala_dir)
+    windows = window_sequences(token_stream(AutoTokenizer.from_pretrained(tiny_sala_dir), heldout_texts(tiny_sala_dir)),
+                               ks.SEQ, 4)
+    ref = plan_logprobs(model, windows[2:], None, ks.PREFIX)
+    base = KVPlan.uniform(config, "fp8", "fp32", {e["layer"]: {"k": e["k_amax"], "v": e["v_amax"]}
+                                                  for e in plan["layers"] if e["kind"] == "sparse"})
+    first = config.sparse_layers[0]
+    want = real_measure_task(str(tiny_sala_dir), base.with_units(kv={first: "nvfp4"}).to_json(), windows[2:], ref)
+    (row,) = [r for r in plan["table"] if (r["kind"], r["layer"]) == ("kv", first)]
+    assert row["kl_mean"] == pytest.approx(want["kl_mean"], rel=1e-6) and row["top1_agreement"] == want["top1_agreement"]
     # The default budget: 1.2x the all-FP8 baseline's KL, met by the combined plan as re-measured.
     assert plan["budget"]["max_kl"] == pytest.approx(1.2 * plan["metrics"]["baseline_kl_mean"])
     assert plan["metrics"]["kl_mean"] <= plan["budget"]["max_kl"]
