@@ -19,6 +19,7 @@ from sala.config import SALAConfig
 from sala.eval.compare import window_sequences
 from sala.kv import KVPlan
 from sala.kv.measure import calibrate_amax, measure_plan, plan_logprobs
+from sala.kv.search import downgraded, greedy_plan, units
 from sala.tiny import ensure_tiny_sala, heldout_texts, token_stream
 
 PREFIX, SEQ = 64, 128
@@ -49,19 +50,8 @@ def main() -> None:
     plans = {f: KVPlan.uniform(config, f, "fp32", amax) for f in ("bf16", "fp8", "nvfp4", "nvfp4_4over6")}
     quality = {f: measure(p) for f, p in plans.items()}
     budget = 1.2 * quality["fp8"]["kl_mean"]
-    units = [("kv", i) for i in config.sparse_layers] + [("state", i) for i in config.lightning_layers]
-
-    def downgraded(plan, unit):
-        kind, i = unit
-        return plan.with_units(kv={i: "nvfp4_4over6"}) if kind == "kv" else plan.with_units(state={i: "bf16"})
-
-    sensitivity = {u: measure(downgraded(plans["fp8"], u))["kl_mean"] for u in units}
-    plan, plan_q = plans["fp8"], quality["fp8"]
-    for u in sorted(units, key=sensitivity.get):
-        cand = downgraded(plan, u)
-        q = measure(cand)
-        if q["kl_mean"] <= budget:
-            plan, plan_q = cand, q
+    sensitivity = {u: measure(downgraded(plans["fp8"], u, "nvfp4_4over6"))["kl_mean"] for u in units(config)}
+    plan, plan_q = greedy_plan(plans["fp8"], quality["fp8"], sensitivity, measure, max_kl=budget, kv_format="nvfp4_4over6")
     plans["plan"], quality["plan"] = plan, plan_q
 
     real = __import__("tests.test_config", fromlist=["REAL_CONFIG"]).REAL_CONFIG

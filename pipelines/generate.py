@@ -232,6 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-stop-trim", action="store_true", help="keep the matched stop string at the end of the text")
     ap.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the generated text")
     ap.add_argument("--logprobs", type=int, help="store each token's logprob and this many alternatives (0-256)")
+    ap.add_argument("--kv-plan", help="kv_plan.json for the cache (default: the checkpoint's own, if it has one)")
     ap.add_argument("--replicas", type=int, default=1, help="engine actors")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor")
     ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine actor; > 0 runs the engine on CUDA")
@@ -261,9 +262,10 @@ def main(argv=None) -> int:
     from pipelines.raycluster import RayUnavailable, init_ray
     from registry.models import ModelSpecError, resolve_model_path
     from registry.tracking import TrackingError, setup_mlflow
-    from sala.checkpoint import DeviceUnavailable, gpu_device
+    from sala.checkpoint import DeviceUnavailable, gpu_device, read_config
     from sala.engine import InvalidParam, SamplingParams
     from sala.eval.calibration import DatasetError, dataset_kind
+    from sala.kv import KVPlanError, load_plan
     from sala.tiny import ensure_tiny_sala
 
     output = Path(args.output).expanduser().absolute()
@@ -291,18 +293,23 @@ def main(argv=None) -> int:
         if column not in columns:
             raise DatasetError(f"column '{column}' not found in {dataset} (columns: {', '.join(columns) or 'none'})")
         model_path = resolve_model_path(args.model or str(ensure_tiny_sala()))
+        # Checked before Ray starts; the actors get the plan itself (a path may not exist on their node).
+        kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, read_config(model_path)).to_json()
         setup_mlflow(args.experiment)
         init_ray()
     except InvalidParam as e:
         return fail(f"--{e.param.replace('_', '-')}: {e}")
     except DeviceUnavailable as e:
         return fail(f"--num-gpus: {e}")
+    except KVPlanError as e:
+        return fail(f"--kv-plan: {e}")
     except (DatasetError, ModelSpecError, TrackingError, RayUnavailable) as e:
         return fail(str(e))
-    return run(args, dataset, kind, column, rows, model_path, output, sampling)
+    return run(args, dataset, kind, column, rows, model_path, output, sampling, kv_plan)
 
 
-def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path, output: Path, sampling: dict) -> int:
+def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path, output: Path, sampling: dict,
+        kv_plan: dict | None = None) -> int:
     import mlflow
     import pyarrow.parquet as pq
     import ray
@@ -310,7 +317,8 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": dataset, "split": args.split,
               "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
-              "deterministic": args.deterministic, "medusa": args.medusa, "batch_size": args.batch_size, "output": str(output), **sampling}
+              "deterministic": args.deterministic, "medusa": args.medusa, "batch_size": args.batch_size,
+              "output": str(output), "kv_plan": args.kv_plan, **sampling}
     with mlflow.start_run(run_name=f"generate-{Path(dataset).stem}") as mlflow_run:
         mlflow.log_params(params)
         start = time.perf_counter()
@@ -321,7 +329,8 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
                                        num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
                                        deterministic=args.deterministic,
                                        engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
-                                                      "max_waiting": max(256, args.batch_size), "medusa": args.medusa}),
+                                                      "max_waiting": max(256, args.batch_size), "medusa": args.medusa,
+                                                      "kv_plan": kv_plan}),
             batch_size=args.batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=args.replicas),
             num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False,
             # Ray Data hands its actors their constructor arguments through the object store, where

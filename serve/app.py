@@ -41,8 +41,9 @@ from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException
 
 from registry.models import model_name, resolve_model_path
-from sala.checkpoint import DeviceUnavailable, gpu_device
+from sala.checkpoint import DeviceUnavailable, gpu_device, read_config
 from sala.engine import AsyncEngine, Engine, InvalidParam, QueueFull, RequestOutput, RequestStream, SamplingParams
+from sala.kv import KVPlanError, load_plan
 from serve.protocol import (
     PARAM_NAMES,
     AbortRequest,
@@ -113,6 +114,18 @@ class EngineCollector:
                                     value=p.max_snapshots * p.snapshot_bytes)
             yield CounterMetricFamily("sala_prefix_cache_evicted_pages", "Cached pages taken back for new requests",
                                       value=p.num_evicted_pages)
+        yield GaugeMetricFamily("sala_kv_cache_bytes_per_token", "K/V bytes one token takes in all sparse layers, as the "
+                                "loaded cache plan stores them", value=e.cache.plan.kv_bytes_per_token)
+        yield GaugeMetricFamily("sala_state_bytes_per_sequence", "Lightning state bytes one sequence takes in all "
+                                "lightning layers, as the loaded cache plan stores them", value=e.cache.plan.state_bytes_per_seq)
+        per_layer = GaugeMetricFamily("sala_cache_layer_bytes", "Cache bytes of one layer: K/V a token (sparse) or "
+                                      "state a sequence (lightning)", labels=["layer", "kind", "format", "per"])
+        plan, config = e.kv_plan, e.model.config
+        for i, b in plan.kv_bytes_per_token(config).items():
+            per_layer.add_metric([str(i), "sparse", plan.kv[i], "token"], b)
+        for i, b in plan.state_bytes_per_seq(config).items():
+            per_layer.add_metric([str(i), "lightning", plan.state[i], "sequence"], b)
+        yield per_layer
         finished = CounterMetricFamily("sala_finished_requests", "Finished requests by reason", labels=["reason"])
         for reason in ("stop", "length", "cancelled"):
             finished.add_metric([reason], e.num_finished[reason])
@@ -571,8 +584,10 @@ class SalaServer:
 
 def build_app(model: str | None = None, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               num_cpus: float = 1.0, num_gpus: float = 0, deterministic: bool = False, num_threads: int | None = None,
-              max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, **engine_kwargs):
+              max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, kv_plan=None, **engine_kwargs):
     """The Serve application for `serve.run`; api_key defaults to $SALA_API_KEY (unset: no auth).
+    kv_plan (a kv_plan.json path or its dict; default: the checkpoint's own) is checked against the
+    model here, so a bad plan fails before any replica starts (KVPlanError naming the problem).
     num_gpus > 0 reserves that many GPUs for the replica and runs the engine on CUDA; deterministic
     makes a request's logprobs bitwise independent of the rest of the batch (evaluation mode, slower)."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
@@ -582,6 +597,8 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
         model = str(ensure_tiny_sala())
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+    if kv_plan is not None:  # the replica gets the checked plan itself: a path may not exist on its node
+        engine_kwargs["kv_plan"] = load_plan(kv_plan, read_config(resolve_model_path(model))).to_json()
     api_key = os.environ.get("SALA_API_KEY") if api_key is None else api_key
     return SalaServer.options(ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}).bind(
         model, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
@@ -615,6 +632,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="largest max_tokens a request may ask for (default: %(default)s)")
     ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
                     help="decode with the checkpoint's medusa/ heads (default: when it has them)")
+    ap.add_argument("--kv-plan", help="kv_plan.json for the cache: each layer's K/V format or state dtype "
+                                      "(default: the checkpoint's own, if it has one)")
     args = ap.parse_args(argv)
     if args.num_gpus < 0:
         ap.error("--num-gpus must be >= 0")
@@ -639,13 +658,17 @@ def main(argv: list[str] | None = None) -> int:
         except DeviceUnavailable as e:
             print(f"error: --num-gpus: {e}", file=sys.stderr)
             return 2
+    try:  # before Ray starts: a bad plan is one line and exit 2
+        app = build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus,
+                        num_gpus=args.num_gpus, deterministic=args.deterministic, num_threads=args.num_threads,
+                        max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
+                        **({} if args.medusa is None else {"medusa": args.medusa}))
+    except KVPlanError as e:
+        print(f"error: --kv-plan: {e}", file=sys.stderr)
+        return 2
     ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                        deterministic=args.deterministic, num_threads=args.num_threads, max_tokens_limit=args.max_tokens_limit,
-                        prefix_cache=args.prefix_cache,
-                        **({} if args.medusa is None else {"medusa": args.medusa})),
-              name="sala", route_prefix="/")
+    serve.run(app, name="sala", route_prefix="/")
     stop_cmd = "serve shutdown -y"
     if ctx.dashboard_url and ctx.dashboard_url.rsplit(":", 1)[-1] != "8265":
         stop_cmd += f" --address http://{ctx.dashboard_url}"

@@ -311,3 +311,41 @@ def test_bad_export_arguments_write_nothing(exported, tmp_path):
     with pytest.raises(FileExistsError):
         export_checkpoint(reference, quantized, path, scale_rule=scale_rule, method="rtn")
     assert not target.exists()
+
+
+# ---- KV-cache scheme ------------------------------------------------------------------------
+
+
+def test_kv_plan_exports_as_a_compressed_tensors_kv_cache_scheme(exported, tmp_path):
+    from safetensors.torch import save_file
+
+    from sala.checkpoint import verify_manifest
+    from sala.kv import KVPlan, load_plan
+    from sala.kv.measure import calibrate_amax
+
+    reference, quantized, _, scale_rule = exported
+    config = reference.config
+    amax = calibrate_amax(reference, torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)))
+    first, *rest = config.sparse_layers
+    plan = KVPlan.uniform(config, "fp8", "fp32", amax).with_units(kv={i: "nvfp4" for i in rest},
+                                                                  state={config.lightning_layers[0]: "bf16"})
+    path = export_checkpoint(reference, quantized, tmp_path / "ckpt", scale_rule=scale_rule, method="rtn", kv_plan=plan)
+    tensors = saved_tensors(path)
+    for i in config.sparse_layers:  # every sparse layer, NVFP4 ones too (a plain loader runs them at FP8)
+        for side, name in (("k", "k_scale"), ("v", "v_scale")):
+            got = tensors[f"model.layers.{i}.self_attn.{name}"]
+            assert got.dtype == torch.float32 and got.shape == (config.num_key_value_heads, 1, 1)
+            assert torch.equal(got.flatten(), torch.tensor(amax[i][side], dtype=torch.float32) / 448)
+    assert not any(f"layers.{i}.self_attn.k_scale" in k for i in config.lightning_layers for k in tensors)
+    kv = parsed_config(path).kv_cache_scheme  # compressed-tensors' own schema parses it
+    assert (kv.num_bits, kv.type, kv.strategy, kv.symmetric, kv.dynamic, kv.scale_dtype) == (
+        8, "float", "attn_head", True, False, torch.float32)
+    assert verify_manifest(path)
+    assert load_plan(path, config).to_json()["layers"] == plan.to_json()["layers"]
+    load_model(path)  # our loader accepts the scheme and checks the scales against the plan
+    # A scale that does not match the plan beside it is named.
+    tensors[f"model.layers.{first}.self_attn.v_scale"] *= 2
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_manifest(path)
+    with pytest.raises(CheckpointError, match=f"model.layers.{first}.self_attn.v_scale is missing, unexpected or differs"):
+        load_model(path)

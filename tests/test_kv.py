@@ -344,3 +344,46 @@ def test_mixed_plan_kl_lies_between_all_fp8_and_all_nvfp4(tiny, calibrated):
     print(kl)
     assert kl["fp8"] < kl["mixed"] < kl["nvfp4"]
     assert measure_plan(model, windows, KVPlan.uniform(config, "bf16", "fp32"), ref, 64)["kl_mean"] < kl["fp8"]
+
+
+def test_greedy_plan_keeps_the_budget_against_a_brute_force_search():
+    """An additive-with-interaction damage model where the combined KL differs from the sum of
+    single-unit KLs: the greedy plan meets the budget, re-measures (a unit that fits alone but
+    not on top of the others stays), and fp8_layers keeps exactly the most sensitive layers FP8."""
+    from itertools import combinations
+
+    from sala.kv.search import greedy_plan, units
+
+    config = tiny_config()
+    base = KVPlan.uniform(config, "fp8")
+    us = units(config)
+    cost = {u: 0.01 * (n + 1) for n, u in enumerate(reversed(us))}
+
+    def kl(plan):
+        down = [("kv", i) for i, f in plan.kv.items() if f == "nvfp4"] + [("state", i) for i, s in plan.state.items()
+                                                                         if s == "bf16"]
+        return sum(cost[u] for u in down) * (1 + 0.5 * max(0, len(down) - 1))  # effects compound
+
+    calls = []
+
+    def measure(plan):
+        calls.append(plan)
+        return {"kl_mean": kl(plan), "top1_agreement": 1.0, "ppl": 1.0}
+
+    sensitivity = {u: kl(KVPlan.uniform(config, "fp8").with_units(**({"kv": {u[1]: "nvfp4"}} if u[0] == "kv" else
+                                                                       {"state": {u[1]: "bf16"}}))) for u in us}
+    budget = 0.08
+    plan, metrics = greedy_plan(base, {"kl_mean": 0.0}, sensitivity, measure, max_kl=budget)
+    assert metrics["kl_mean"] == kl(plan) <= budget and plan.metrics == metrics and len(calls) == len(us)
+    assert plan.budget == {"max_kl": budget, "fp8_layers": None} and len(plan.table) == len(us)
+    downgraded = len([f for f in plan.kv.values() if f == "nvfp4"]) + len([s for s in plan.state.values() if s == "bf16"])
+    # No plan that meets the budget downgrades more units (greedy in order of sensitivity is optimal here).
+    best = max(k for k in range(len(us) + 1) for c in combinations(us, k)
+               if sum(cost[u] for u in c) * (1 + 0.5 * max(0, k - 1)) <= budget)
+    assert downgraded == best >= 2
+    plan, _ = greedy_plan(base, {"kl_mean": 0.0}, sensitivity, measure, fp8_layers=1)
+    most = max(config.sparse_layers, key=lambda i: sensitivity[("kv", i)])
+    assert plan.kv == {i: "fp8" if i == most else "nvfp4" for i in config.sparse_layers}
+    assert set(plan.state.values()) == {"fp32"}
+    with pytest.raises(ValueError, match="needs a budget"):
+        greedy_plan(base, {}, sensitivity, measure)

@@ -693,3 +693,68 @@ def test_tokenize_and_detokenize_as_vllm_and_sglang(http, server, local_engine):
     assert http.post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 404
     assert http.post("/tokenize", json={}).status_code == 400
     assert httpx.post(f"{server}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def kv_plan_file(tmp_path, config, kv: dict[int, str], state: dict[int, str]) -> Path:
+    """A kv_plan.json written by hand, as another tool would (the contract in sala/kv/plan.py)."""
+    layers = [{"layer": i, "kind": "sparse", "kv": kv[i]} if i in kv else {"layer": i, "kind": "lightning", "state": state[i]}
+              for i in range(config.num_hidden_layers) if i in kv or i in state]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"layers": layers}))
+    return path
+
+
+def test_kv_plan_bad_fails_before_serving_and_good_shows_its_bytes_in_metrics(tiny_sala_dir, tmp_path):
+    from sala.checkpoint import read_config
+
+    config = read_config(tiny_sala_dir)
+    sparse, lightning = config.sparse_layers, config.lightning_layers
+    bad = kv_plan_file(tmp_path, config, {i: "int3" for i in sparse}, {i: "fp32" for i in lightning})
+    r = subprocess.run([sys.executable, "-m", "serve.app", "--model", str(tiny_sala_dir), "--kv-plan", str(bad)],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: --kv-plan: ") and f"layer {sparse[0]}: unknown kv format 'int3'" in r.stderr
+
+    kv = {i: ("fp8" if n % 2 else "nvfp4") for n, i in enumerate(sparse)}
+    state = {i: ("bf16" if n % 2 else "fp32") for n, i in enumerate(lightning)}
+    good = kv_plan_file(tmp_path, config, kv, state)
+    # Independent of sala/kv/formats.py: FP8 is a byte an element plus, with no calibrated amax in
+    # the plan, an fp32 scale per head computed on write; NVFP4 half a byte plus one FP8 scale per
+    # 16 elements; for K and for V.
+    h, hd = config.num_key_value_heads, config.num_key_value_heads * config.head_dim
+    want_token = {i: 2 * (hd + 4 * h if f == "fp8" else hd // 2 + hd // 16) for i, f in kv.items()}
+    want_seq = {i: config.lightning_nh * config.lightning_head_dim**2 * (2 if s == "bf16" else 4) for i, s in state.items()}
+    port = free_port()
+    proc, _, out = start_server([sys.executable, "-m", "serve.app", "--model", str(tiny_sala_dir), "--port", str(port),
+                                 "--num-threads", "1", "--kv-plan", str(good)], {})
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
+        proc.send_signal(2)
+        log = finish(proc, out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    value = {s.name: s.value for s in samples}
+    assert value["sala_kv_cache_bytes_per_token"] == sum(want_token.values())
+    assert value["sala_state_bytes_per_sequence"] == sum(want_seq.values())
+    layers = {int(s.labels["layer"]): (s.labels["format"], s.labels["per"], s.value) for s in samples
+              if s.name == "sala_cache_layer_bytes"}
+    assert layers == {i: (kv[i], "token", b) for i, b in want_token.items()} | {
+        i: (state[i], "sequence", b) for i, b in want_seq.items()}
+    assert proc.returncode == 0, log[-2000:]
+
+
+def test_generate_refuses_a_bad_kv_plan_before_ray(tiny_sala_dir, tmp_path, capsys):
+    from pipelines.generate import main
+    from sala.checkpoint import read_config
+
+    config = read_config(tiny_sala_dir)
+    bad = kv_plan_file(tmp_path, config, {i: "fp8" for i in config.sparse_layers},
+                       {i: "fp32" for i in config.lightning_layers[1:]})  # one lightning layer missing
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    rc = main(["--dataset", str(data), "--output", str(tmp_path / "out"), "--model", str(tiny_sala_dir), "--kv-plan", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --kv-plan: ") and f"no entry for layer(s) [{config.lightning_layers[0]}]" in err

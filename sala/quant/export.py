@@ -9,6 +9,7 @@ FourOverSix needs no format change: its output is plain NVFP4.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from sala.checkpoint_files import CheckpointError, check_state_dict, load_state_dict, read_config, write_checkpoint
+from sala.kv.export import is_our_scheme, kv_cache_scheme, kv_scale_tensors, pop_kv_scales
+from sala.kv.plan import PLAN_FILE, load_plan
 from sala.quant.nvfp4 import NVFP4Tensor
 
 if TYPE_CHECKING:
@@ -26,7 +29,7 @@ FORMAT = "nvfp4-pack-quantized"
 TENSOR_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
-def quantization_config(ignore: list[str], act_order: bool = False) -> dict:
+def quantization_config(ignore: list[str], act_order: bool = False, kv_cache: bool = False) -> dict:
     """The compressed-tensors NVFP4A16 config, produced by the library's own classes."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
@@ -36,7 +39,8 @@ def quantization_config(ignore: list[str], act_order: bool = False) -> dict:
     if act_order:
         scheme.weights.actorder = "static"  # columns permuted inside GPTQ only: no g_idx stored
     qc = QuantizationConfig(config_groups={"group_0": scheme}, format=FORMAT, ignore=ignore,
-                            quantization_status=QuantizationStatus.COMPRESSED)
+                            quantization_status=QuantizationStatus.COMPRESSED,
+                            kv_cache_scheme=kv_cache_scheme() if kv_cache else None)
     out = qc.model_dump(mode="json")
     out |= {"sparsity_config": {}, "transform_config": {}, "version": compressed_tensors.__version__}
     return out
@@ -44,8 +48,8 @@ def quantization_config(ignore: list[str], act_order: bool = False) -> dict:
 
 def check_quantization_config(qc: dict, source: Path) -> QuantizationConfig:
     """Accept exactly the format we can load: compressed NVFP4 weights (4-bit float, groups of
-    16 sharing an FP8 scale, one global scale per tensor), no activation or KV-cache
-    quantization, no sparsity. Anything else is named, not half-loaded. Returns the parsed
+    16 sharing an FP8 scale, one global scale per tensor), no activation quantization, no KV-cache
+    scheme but our static per-head FP8 one (sala/kv/export.py), no sparsity. Anything else is named, not half-loaded. Returns the parsed
     compressed-tensors QuantizationConfig."""
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -62,8 +66,9 @@ def check_quantization_config(qc: dict, source: Path) -> QuantizationConfig:
     if parsed.quantization_status != "compressed":
         raise CheckpointError(f"{source}: quantization_status {parsed.quantization_status.value!r}; only packed "
                               "('compressed') weights are supported")
-    if parsed.kv_cache_scheme is not None:
-        raise CheckpointError(f"{source}: KV-cache quantization (kv_cache_scheme) is not supported")
+    if qc.get("kv_cache_scheme") is not None and not is_our_scheme(qc["kv_cache_scheme"]):
+        raise CheckpointError(f"{source}: KV-cache quantization (kv_cache_scheme) {qc['kv_cache_scheme']} is not supported "
+                              "(only static FP8, symmetric, per kv head: strategy attn_head)")
     for name, scheme in parsed.config_groups.items():
         w = scheme.weights
         if scheme.format not in (None, FORMAT):
@@ -89,9 +94,12 @@ def export_checkpoint(
     producer: dict | None = None,
     metrics: dict | None = None,
     max_shard_bytes: int = 4 << 30,
+    kv_plan=None,
 ) -> Path:
     """Write `model` with the Linears named in `quantized` (full module names) as packed NVFP4;
-    every other Linear (lm_head) goes to the ignore list and stays BF16."""
+    every other Linear (lm_head) goes to the ignore list and stays BF16. A `kv_plan` (with
+    calibrated amax) adds the compressed-tensors KV-cache scheme, each sparse layer's k_scale /
+    v_scale and kv_plan.json."""
     modules = dict(model.named_modules())
     if not quantized:
         raise ValueError("no quantized modules to export")
@@ -107,12 +115,18 @@ def export_checkpoint(
         state[f"{name}.weight_packed"] = q.packed()
         state[f"{name}.weight_scale"] = q.scale
         state[f"{name}.weight_global_scale"] = q.global_scale.reshape(1).float()
+    extra_files = {}
+    if kv_plan is not None:
+        kv_plan = load_plan(kv_plan, model.config)
+        state |= kv_scale_tensors(kv_plan, model.config)
+        extra_files[PLAN_FILE] = json.dumps(kv_plan.to_json(), indent=1).encode()
     ignore = sorted(n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized)
     config = model.config.to_dict()
-    config["quantization_config"] = quantization_config(ignore, act_order)
+    config["quantization_config"] = quantization_config(ignore, act_order, kv_cache=kv_plan is not None)
     config["dtype"] = "bfloat16"
     return write_checkpoint(target, type(model.config).from_dict(config), state, getattr(model, "generation_config", None),
                             tokenizer, overwrite=overwrite, max_shard_bytes=max_shard_bytes, metrics=metrics,
+                            extra_files=extra_files,
                             producer={"name": "sala.quant", "format": FORMAT, "scale_rule": scale_rule, "method": method,
                                       "act_order": act_order, **(producer or {})})
 
@@ -131,6 +145,7 @@ def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = No
     config = read_config(path)
     parsed = check_quantization_config(config.quantization_config, path / "config.json")
     state = load_state_dict(path, verify=verify)
+    check_kv_scales(pop_kv_scales(state), parsed.kv_cache_scheme is not None, path, config)
     dtype = dtype or torch.bfloat16
     with torch.device("meta"):
         model = SALAForCausalLM(config)
@@ -163,6 +178,21 @@ def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = No
     model.load_state_dict({k: v.to(dtype) if v.is_floating_point() and not _is_quant(k) else v
                            for k, v in state.items()}, assign=True)
     return model.to(device).eval()
+
+
+def check_kv_scales(scales: dict[str, torch.Tensor], declared: bool, path: Path, config) -> None:
+    """k_scale / v_scale exactly when a KV-cache scheme is declared, and equal to the scales of the
+    kv_plan.json beside them (which the engine uses)."""
+    if not declared:
+        if scales:
+            raise CheckpointError(f"{path}: tensor {next(iter(scales))} but no kv_cache_scheme in quantization_config")
+        return
+    if not (path / PLAN_FILE).is_file():
+        raise CheckpointError(f"{path}: kv_cache_scheme declared but no {PLAN_FILE} beside config.json")
+    want = kv_scale_tensors(load_plan(path / PLAN_FILE, config), config)
+    for key in sorted(set(want) | set(scales)):
+        if key not in scales or key not in want or not torch.equal(scales[key].float(), want[key]):
+            raise CheckpointError(f"{path}: KV-cache scale {key} is missing, unexpected or differs from {PLAN_FILE}")
 
 
 def _is_quant(key: str) -> bool:

@@ -1,0 +1,184 @@
+"""The cache-plan ablation: which sparse layers' K/V may go NVFP4 and which lightning states bf16.
+
+Baseline: every sparse layer FP8 (scales calibrated on calibration windows), every state fp32.
+Then one Ray task per unit (a sparse layer downgraded to NVFP4, a lightning state to bf16),
+retried when its worker dies, each measuring on held-out windows the mean KL to the
+unquantized cache, top-1 agreement and perplexity (sala/kv/measure.py: prefill, then
+teacher-forced decode, as serving uses the cache). Then the greedy plan under the budget
+(sala/kv/search.py; `--max-kl`, `--fp8-layers`, default a KL of 1.2x the all-FP8 baseline's),
+each combined candidate re-measured. MLflow gets the sensitivity table, a bar plot per layer
+(PNG), the plan and its metrics; the plan goes into a copy of the checkpoint (kv_plan.json,
+manifest rewritten), which `Engine.from_pretrained` and the server then use as it is.
+
+    python pipelines/kv_sensitivity.py [--model DIR|models:/name@alias] [--max-kl X] [--fp8-layers N] [--output DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+PREFIX, SEQ = 64, 128
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pipelines/kv_sensitivity.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
+    ap.add_argument("--texts", help="held-out text file, documents separated by blank lines "
+                                    "(default: the checkpoint's heldout.txt)")
+    ap.add_argument("--max-kl", type=float, help="budget: mean KL of the plan to the unquantized cache at most")
+    ap.add_argument("--fp8-layers", type=int, help="budget: keep this many sparse layers FP8 (the most sensitive)")
+    ap.add_argument("--kv-format", default="nvfp4", choices=("nvfp4", "nvfp4_4over6"), help="what K/V downgrade to")
+    ap.add_argument("--windows", type=int, default=16, help="held-out windows scored per plan")
+    ap.add_argument("--calib-windows", type=int, default=8, help="windows FP8 scales are calibrated on")
+    ap.add_argument("--output", help="checkpoint copy with the plan (default: $SALA_HOME/kv/<model>-kv)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    ap.add_argument("--max-retries", type=int, default=3, help="retries of a measurement whose worker died")
+    ap.add_argument("--experiment", default="kv_sensitivity", help="MLflow experiment")
+    args = ap.parse_args(argv)
+    if args.max_kl is not None and not args.max_kl >= 0:
+        ap.error("--max-kl must be >= 0")
+    if args.fp8_layers is not None and args.fp8_layers < 0:
+        ap.error("--fp8-layers must be >= 0")
+    if args.windows <= 0 or args.calib_windows <= 0:
+        ap.error("--windows and --calib-windows must be positive")
+    return args
+
+
+def measure_task(model_path: str, plan_json: dict, windows, reference, num_threads: int = 1) -> dict:
+    """One plan's metrics on the held-out windows (the body of the Ray task)."""
+    import torch
+
+    from sala.checkpoint import load_model
+    from sala.kv import load_plan
+    from sala.kv.measure import measure_plan
+
+    torch.set_num_threads(num_threads)
+    model = load_model(model_path)
+    return measure_plan(model, windows, load_plan(plan_json, model.config), reference, PREFIX)
+
+
+def bar_plot(table: list[dict], kinds: list[str]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1 + 0.45 * len(table), 3.5))
+    rows = sorted(table, key=lambda r: r["layer"])
+    ax.bar([f"{r['layer']}{'S' if r['kind'] == 'kv' else 'L'}" for r in rows], [r["kl_mean"] for r in rows],
+           color=["tab:red" if r["kind"] == "kv" else "tab:blue" for r in rows])
+    ax.set_xlabel("layer (S: K/V to NVFP4, L: state to bf16)")
+    ax.set_ylabel("mean KL to unquantized")
+    ax.set_title("cache sensitivity per layer (one unit downgraded from the FP8 / fp32 baseline)")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pipelines.raycluster import RayUnavailable, init_ray
+    from registry.models import ModelSpecError, model_name, resolve_model_path
+    from registry.tracking import TrackingError, setup_mlflow
+    from sala.checkpoint import read_config
+    from sala.tiny import ensure_tiny_sala, sala_home
+
+    try:
+        model_path = resolve_model_path(args.model or str(ensure_tiny_sala(progress=False)))
+        config = read_config(model_path)
+        texts = Path(args.texts) if args.texts else model_path / "heldout.txt"
+        if not texts.is_file():
+            raise ModelSpecError(f"{texts}: no held-out texts; pass --texts FILE")
+        if args.fp8_layers is not None and args.fp8_layers > len(config.sparse_layers):
+            raise ModelSpecError(f"--fp8-layers {args.fp8_layers}: the model has {len(config.sparse_layers)} sparse layers")
+        output = Path(args.output or sala_home() / "kv" / f"{model_path.name}-kv").expanduser().absolute()
+        if output.exists() and not args.overwrite:
+            raise ModelSpecError(f"{output} exists; pass --overwrite to replace it")
+        setup_mlflow(args.experiment)
+        init_ray()
+    except (ModelSpecError, TrackingError, RayUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run(args, model_path, texts, output, model_name(args.model, model_path))
+
+
+def run(args, model_path: Path, texts: Path, output: Path, name: str) -> int:
+    import mlflow
+    import ray
+    import torch
+    from transformers import AutoTokenizer
+
+    from sala.checkpoint import load_model
+    from sala.checkpoint_files import atomic_directory, write_manifest
+    from sala.eval.compare import window_sequences
+    from sala.kv import KVPlan
+    from sala.kv.measure import calibrate_amax, plan_logprobs
+    from sala.kv.search import downgraded, greedy_plan, units
+    from sala.tiny import token_stream
+
+    torch.set_num_threads(1)
+    model, tok = load_model(model_path), AutoTokenizer.from_pretrained(model_path)
+    config = model.config
+    stream = token_stream(tok, texts.read_text().split("\n\n"))
+    windows = window_sequences(stream, SEQ, args.calib_windows + args.windows)
+    if len(windows) <= args.calib_windows:
+        print(f"error: {texts} holds {len(windows)} windows of {SEQ + 1} tokens; need more than --calib-windows",
+              file=sys.stderr)
+        return 2
+    amax = calibrate_amax(model, windows[: args.calib_windows])
+    held = windows[args.calib_windows :]
+    reference = plan_logprobs(model, held, None, PREFIX)
+    del model
+    task = ray.remote(num_cpus=1, max_retries=args.max_retries)(measure_task)
+    path, held_ref, ref_ref = str(model_path), ray.put(held), ray.put(reference)
+
+    def submit(plan: KVPlan):
+        return task.remote(path, plan.to_json(), held_ref, ref_ref)
+
+    baseline = KVPlan.uniform(config, "fp8", "fp32", amax)
+    all_units = units(config)
+    with mlflow.start_run(run_name=f"kv-sensitivity-{model_path.name}") as mlflow_run:
+        mlflow.log_params({k: v for k, v in vars(args).items() if v is not None} | {"model_path": str(model_path)})
+        base_metrics, *unit_metrics = ray.get([submit(baseline)] + [submit(downgraded(baseline, u, args.kv_format))
+                                                                     for u in all_units])
+        print(f"baseline (all FP8, fp32 states): KL {base_metrics['kl_mean']:.3e}", flush=True)
+        sensitivity = {u: m["kl_mean"] for u, m in zip(all_units, unit_metrics)}
+        max_kl = args.max_kl
+        if max_kl is None and args.fp8_layers is None:
+            max_kl = 1.2 * base_metrics["kl_mean"]
+        tried = []
+
+        def measure(plan):
+            tried.append(plan)
+            q = ray.get(submit(plan))
+            print(f"  candidate {len(tried)}: {plan.describe()} -> KL {q['kl_mean']:.3e}", flush=True)
+            return q
+
+        plan, metrics = greedy_plan(baseline, base_metrics, sensitivity, measure, max_kl, args.fp8_layers, args.kv_format)
+        # The table with every metric of each unit, not only the KL the search ranked by.
+        plan.table = [row | {k: v for k, v in unit_metrics[all_units.index((row["kind"], row["layer"]))].items()}
+                      for row in plan.table]
+        plan.metrics = {**metrics, "baseline_kl_mean": base_metrics["kl_mean"],
+                        "kv_bytes_per_token": sum(plan.kv_bytes_per_token(config).values()),
+                        "state_bytes_per_seq": sum(plan.state_bytes_per_seq(config).values())}
+        mlflow.log_table({k: [r[k] for r in plan.table] for k in plan.table[0]}, artifact_file="sensitivity.json")
+        fig = bar_plot(plan.table, config.layer_kinds)
+        mlflow.log_figure(fig, "sensitivity.png")
+        mlflow.log_dict(plan.to_json(), "kv_plan.json")
+        mlflow.log_metrics({f"plan_{k}": v for k, v in plan.metrics.items()}
+                           | {f"baseline_{k}": v for k, v in base_metrics.items()})
+        with atomic_directory(output, overwrite=args.overwrite) as tmp:
+            shutil.copytree(model_path, tmp, dirs_exist_ok=True)
+            plan.save(tmp)
+            write_manifest(tmp, producer={"tool": "pipelines/kv_sensitivity.py", "source": name, "run_id": mlflow_run.info.run_id},
+                           metrics=plan.metrics)
+    print(f"plan: {plan.describe()}", flush=True)
+    print(f"plan written to {output / 'kv_plan.json'} (checkpoint {output}); mlflow run {mlflow_run.info.run_id}", flush=True)
+    print(json.dumps({"output": str(output), "budget": plan.budget, "metrics": plan.metrics}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
