@@ -86,11 +86,9 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
 
     from registry.models import resolve_model_path
 
-    os.environ["SALA_HOME"], saved = env["SALA_HOME"], os.environ.get("SALA_HOME")
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # SALA_HOME is restored (or unset) afterwards
+        mp.setenv("SALA_HOME", env["SALA_HOME"])
         resolved = resolve_model_path("models:/tiny-q@champion")
-    finally:
-        os.environ["SALA_HOME"] = saved if saved is not None else os.environ.pop("SALA_HOME")
     assert weights_sha(resolved) == weights_sha(out)
 
     # The registered NVFP4 checkpoint serves: the engine runs its packed W4A16 Linears and
