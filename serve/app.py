@@ -255,6 +255,7 @@ class SalaServer:
         if model is None:
             return self.names[0]
         if model not in self.names:
+            model = model.encode("utf-8", "backslashreplace").decode()  # a lone surrogate cannot go out as JSON
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(f'`{n}`' for n in self.names)}",
                            param="model", code="model_not_found")
         return model
@@ -425,7 +426,16 @@ class SalaServer:
     async def _tokenize(self, body: TokenizeRequest) -> Response:
         """As vLLM and SGLang answer: {tokens, count, max_model_len} (lists of them for a list of prompts)."""
         self._check_model(body.model)
-        texts, batched = body.texts(lambda m, **kw: self.tokenizer.apply_chat_template(m, tokenize=False, **kw))
+        try:
+            texts, batched = body.texts(lambda m, **kw: self.tokenizer.apply_chat_template(m, tokenize=False, **kw))
+        except TemplateError as e:  # as in /v1/chat/completions: a template that refuses these messages
+            raise InvalidParam("messages", f"the chat template refused the messages: {e}") from None
+        for t in texts:
+            try:
+                t.encode()
+            except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
+                field = "prompt" if body.prompt is not None else "messages"
+                raise InvalidParam(field, f"{field} is not valid Unicode: {e.reason} at character {e.start}") from None
         ids = [self.tokenizer(t, add_special_tokens=body.add_special_tokens)["input_ids"] for t in texts]
         out = {"tokens": ids, "count": [len(x) for x in ids], "max_model_len": self.max_model_len}
         if body.return_token_strs:

@@ -186,6 +186,8 @@ class TokenizeRequest(_Body):
         if (self.prompt is None) == (self.messages is None):
             raise InvalidParam("prompt", "give exactly one of prompt or messages")
         if self.messages is not None:
+            if not self.messages:
+                raise InvalidParam("messages", "messages is empty")
             return [chat_template([{"role": m.role, "content": m.text()} for m in self.messages],
                                   add_generation_prompt=self.add_generation_prompt)], False
         return ([self.prompt], False) if isinstance(self.prompt, str) else (list(self.prompt), True)

@@ -96,7 +96,9 @@ def body_models() -> dict[str, type[BaseModel]]:
     from serve import protocol
 
     return {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest,
-            "/generate": protocol.GenerateRequest, "/abort_request": protocol.AbortRequest}
+            "/generate": protocol.GenerateRequest, "/abort_request": protocol.AbortRequest,
+            **{p: protocol.TokenizeRequest for p in ("/tokenize", "/v1/tokenize")},
+            **{p: protocol.DetokenizeRequest for p in ("/detokenize", "/v1/detokenize")}}
 
 
 PLAIN_WORDS = st.sampled_from(["The json module", "def fib(n):", "Hi", "a list", " x"])
@@ -115,7 +117,9 @@ UNKNOWN = st.sampled_from(["frobnicate", "response_format", "tools", "tool_choic
 VALID = {"/v1/completions": {"prompt": "The json module", "max_tokens": 2},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
          "/generate": {"text": "def fib(n):", "sampling_params": {"max_new_tokens": 2}},
-         "/abort_request": {"rid": "nothing-by-this-id"}}
+         "/abort_request": {"rid": "nothing-by-this-id"},
+         **{p: {"prompt": "The json module"} for p in ("/tokenize", "/v1/tokenize")},
+         **{p: {"tokens": [5, 6, 7]} for p in ("/detokenize", "/v1/detokenize")}}
 
 
 def of_type(tp, depth: int = 0) -> st.SearchStrategy:
