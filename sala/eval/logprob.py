@@ -24,14 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
+
+from sala.atomic import write_atomically
 
 TOP_K = 256
 LAST_POSITIONS = 128
@@ -116,17 +116,7 @@ class Baseline:
                   "prompt_lens": self.prompt_lens.astype(np.int64), "starts": self.starts.astype(np.int64),
                   "top_ids": self.top_ids.astype(np.int32), "top_logprobs": self.top_logprobs.astype(np.float32),
                   "meta": np.array(json.dumps({**self.meta, "format": FORMAT}, sort_keys=True))}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez_compressed(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_atomically(path, lambda f: np.savez_compressed(f, **arrays))
 
     @classmethod
     def load(cls, path: str | Path) -> Baseline:

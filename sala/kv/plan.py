@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from sala.atomic import write_atomically
 from sala.config import LIGHTNING
 from sala.kv.formats import DENSE_DTYPES, KVCodec, make_codec
 
@@ -95,17 +95,7 @@ class KVPlan:
         path = Path(path)
         if path.is_dir():
             path = path / PLAN_FILE
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kv_plan.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_atomically(path, lambda f: json.dump(self.to_json(), f, indent=1), "w")
 
     def describe(self) -> str:
         kv = ",".join(f"{i}:{f}" for i, f in sorted(self.kv.items()))
