@@ -17,7 +17,7 @@ from pipelines.evaluate import builtin_rows, tokenize_prompts
 from pipelines.logprob_client import HTTPSource
 from sala.eval import logprob as lp
 from sala.eval.engine_source import EngineSource
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_tiny_sala
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_K = 32  # the whole pipeline at a smaller k keeps the test fast; the divergence at 256 is test_logprob's
@@ -71,22 +71,7 @@ def test_own_baseline_is_exactly_zero_at_every_batch_size_and_a_perturbed_model_
 
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
-    import ray
-    from ray import serve
-
-    from serve.app import build_app
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(str(tiny_sala_dir), num_cpus=0.5, num_threads=1, deterministic=True, max_seqs=32, max_waiting=64),
-              name="sala", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    if started:
-        ray.shutdown()
+    yield from serve_tiny_sala(tiny_sala_dir, "sala", deterministic=True, max_seqs=32, max_waiting=64)
 
 
 def test_server_over_http_both_apis_without_torch_on_the_client(server, baselines, tmp_path):

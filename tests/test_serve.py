@@ -21,7 +21,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from sala.engine import SamplingParams
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_tiny_sala
 
 API_KEY = "test-key"
 MODEL = "tiny-sala"
@@ -31,24 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
-    import ray
-    from ray import serve
-
-    from serve.app import build_app
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # deterministic: outputs are compared bitwise with an engine in this process (batch-invariant by default)
-    serve.run(build_app(str(tiny_sala_dir), served_model_name=[MODEL, ALIAS], api_key=API_KEY, num_cpus=0.5, num_threads=1,
-                        deterministic=True, max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4, max_waiting=4),
-              name="sala", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    if started_ray:
-        ray.shutdown()
+    yield from serve_tiny_sala(tiny_sala_dir, "sala", served_model_name=[MODEL, ALIAS], api_key=API_KEY,
+                               deterministic=True, max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4,
+                               max_waiting=4)
 
 
 @pytest.fixture(scope="module")

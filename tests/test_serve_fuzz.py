@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from tests.conftest import free_port
+from tests.conftest import serve_tiny_sala
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -35,23 +35,8 @@ RSS_GROWTH_LIMIT = 0.05
 
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
-    import ray
-    from ray import serve
-
-    from serve.app import build_app
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(str(tiny_sala_dir), api_key=API_KEY, num_cpus=0.5, num_threads=1, deterministic=True,
-                        max_body_bytes=16 << 10, max_tokens_limit=4, max_seqs=4),
-              name="sala-fuzz", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    if started_ray:
-        ray.shutdown()
+    yield from serve_tiny_sala(tiny_sala_dir, "sala-fuzz", api_key=API_KEY, deterministic=True,
+                               max_body_bytes=16 << 10, max_tokens_limit=4, max_seqs=4)
 
 
 @pytest.fixture(scope="module")
