@@ -102,7 +102,8 @@ def bench_ranking(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for variant, (method, rule) in VARIANTS.items():
             quantized, _ = quantize_model(copy.deepcopy(model), seqs, method, rule)
-            path = export_checkpoint(model, quantized, Path(tmp) / variant.replace("/", "over"), scale_rule=rule, method=method)
+            path = export_checkpoint(model, quantized, Path(tmp) / variant.replace("/", "over"), tokenizer, scale_rule=rule,
+                                     method=method)
             t0 = time.perf_counter()
             s = lp.compare(base, EngineSource.from_pretrained(path), 8).summary()
             score_s = time.perf_counter() - t0

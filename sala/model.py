@@ -274,6 +274,9 @@ class SparseAttention(QKVOProjections):
                 rows = span.kv_rows if span.past else ctx.slot_mapping[span.start : end]
                 ks = k_pages.read(rows, q.dtype).transpose(0, 1)[None]
                 vs = v_pages.read(rows, q.dtype).transpose(0, 1)[None]
+            if ctx.batch_invariant:
+                outs.append(prefill_attention_in_blocks(qs, ks, vs, span.past, gqa))
+                continue
             mask = None if span.past == 0 else causal_mask(span.length, span.past + span.length, span.past, None, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
             outs.append(o[0])
@@ -372,6 +375,28 @@ def causal_mask(t_q: int, t_k: int, past: int, key_mask: torch.Tensor | None, de
     if key_mask is not None:
         mask = mask & key_mask[:, None, None, :t_k].bool()
     return mask
+
+
+def prefill_attention_in_blocks(q, k, v, past: int, gqa: bool) -> torch.Tensor:
+    """Causal attention of prompt positions past .. past + Tq (q [1, Hq, Tq, D]) over keys 0 ..
+    past + Tq (k, v [1, Hkv, past + Tq, D]), one call per block of lightning.CHUNK_SIZE absolute
+    positions, each over the keys up to its block's end -> [Hq, Tq, D].
+
+    The evaluation mode's attention: SDPA's CPU kernel tiles queries and keys by sizes it picks
+    from the call's lengths (query tiles of 32 below 192 queries, 64 above; a key tile of
+    min(512, keys)), so a position's output changed with how long its chunk was: a 300-token
+    prompt prefilled in one chunk and in chunks of 256 + 44 differed from position 128 on.
+    Here a block's call depends only on its absolute positions, and the scheduler cuts prompts
+    only at multiples of CHUNK_SIZE, so every cut computes each position with the same call."""
+    block = lightning.CHUNK_SIZE
+    outs = []
+    for a in range(past, past + q.shape[2], block):
+        b = min((a // block + 1) * block, past + q.shape[2])
+        mask = causal_mask(b - a, b, a, None, q.device)
+        o = F.scaled_dot_product_attention(q[:, :, a - past : b - past], k[:, :, :b], v[:, :, :b], attn_mask=mask,
+                                           enable_gqa=gqa)
+        outs.append(o[0])
+    return torch.cat(outs, 1)
 
 
 def _rows_with_padding(outs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
