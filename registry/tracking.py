@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sala.tiny import sala_home
+from sala.home import sala_home
 
 
 class TrackingError(RuntimeError):

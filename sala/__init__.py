@@ -1,19 +1,51 @@
 """sala: MiniCPM-SALA in plain PyTorch, with quantization, KV compression and serving around it.
 
-Importing the package registers the model with transformers' Auto classes, so
-`AutoModelForCausalLM.from_pretrained(dir)` works without `trust_remote_code`. Without torch
-installed only the numpy parts load (sala.eval.logprob: scoring logprobs from any server).
+The model is registered with transformers' Auto classes as soon as transformers is loaded
+(now, if it already is; else right after whoever imports it), so after `import sala`
+`AutoModelForCausalLM.from_pretrained(dir)` works without `trust_remote_code`. Until then
+nothing imports torch: a scoring client (sala.eval.logprob) runs on numpy alone, with or
+without torch installed.
 """
+import importlib.abc
 import importlib.util
+import sys
 
-if importlib.util.find_spec("torch") is not None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from sala.config import SALAConfig
-    from sala.model import SALACache, SALAForCausalLM
+def _initializing(name: str) -> bool:
+    """Whether module `name` is part-way through its own import."""
+    module = sys.modules.get(name)
+    return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False)
 
-    AutoConfig.register(SALAConfig.model_type, SALAConfig, exist_ok=True)
-    AutoModelForCausalLM.register(SALAConfig, SALAForCausalLM, exist_ok=True)
-    AutoTokenizer.register(SALAConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
 
-    __all__ = ["SALAConfig", "SALAForCausalLM", "SALACache"]
+def register_with_transformers() -> None:
+    """SALA's config, model and tokenizer classes in transformers' Auto classes (sala/model.py
+    registers them as the last thing it does)."""
+    if not _initializing("sala.model"):
+        import sala.model  # noqa: F401
+
+
+class _AfterTransformers(importlib.abc.MetaPathFinder):
+    """Registers SALA right after transformers itself has loaded, whoever imported it. When the
+    importer is sala/config.py or sala/model.py, that module registers when it is done."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "transformers":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_then_register(module):
+                exec_module(module)
+                if not _initializing("sala.config"):
+                    register_with_transformers()
+
+            spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if "transformers" in sys.modules:
+    register_with_transformers()
+elif importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None:
+    sys.meta_path.insert(0, _AfterTransformers())

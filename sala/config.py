@@ -195,3 +195,12 @@ class SALAConfig(PretrainedConfig):
         if self.lightning_scale == "1/d":
             return 1.0 / d
         return 1.0
+
+
+def _register() -> None:
+    import sala
+
+    sala.register_with_transformers()  # sala/__init__: the Auto classes know SALA once transformers is loaded
+
+
+_register()

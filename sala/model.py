@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationMixin,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from sala import lightning, lightning_tree, sparse
@@ -700,3 +707,8 @@ class SALAForCausalLM(SALAPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+
+
+AutoConfig.register(SALAConfig.model_type, SALAConfig, exist_ok=True)
+AutoModelForCausalLM.register(SALAConfig, SALAForCausalLM, exist_ok=True)
+AutoTokenizer.register(SALAConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)

@@ -19,7 +19,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import sys
 import sysconfig
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from sala.config import LIGHTNING, SPARSE, SALAConfig
+from sala.home import sala_home
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -71,10 +71,6 @@ RECIPE = {
         sparse_config={"dense_len": 8192},
     ),
 }
-
-
-def sala_home() -> Path:
-    return Path(os.environ.get("SALA_HOME", Path.home() / ".cache" / "sala")).expanduser().absolute()
 
 
 @functools.lru_cache(maxsize=None)
