@@ -9,7 +9,8 @@
 2. Ranking: tiny-sala's NVFP4 variants (RTN / GPTQ x M6 / FourOverSix), quantized as
    `python -m sala.quant` does and loaded back, scored with the logprob tool against a BF16
    baseline (engine, evaluation mode, built-in prompt set) and by held-out perplexity; the
-   Spearman rank correlation of the two orderings.
+   Spearman rank correlation of the two orderings; and a deliberately broken checkpoint, the
+   figures the quantize pipeline's registry gate thresholds come from.
 """
 import argparse
 import copy
@@ -27,7 +28,12 @@ sys.path.insert(0, str(ROOT))
 from sala.eval import logprob as lp  # noqa: E402
 
 VOCAB_9B = 73448
-VARIANTS = {"RTN-M6": ("rtn", "6"), "RTN-4/6": ("rtn", "4over6"), "GPTQ-M6": ("gptq", "6"), "GPTQ-4/6": ("gptq", "4over6")}
+VARIANTS = {"RTN-M6": ("rtn", "6"), "RTN-4/6": ("rtn", "4over6"), "GPTQ-M6": ("gptq", "6"), "GPTQ-4/6": ("gptq", "4over6"),
+            "broken": ("gptq", "4over6")}
+# "broken": GPTQ-4/6 of weights with Gaussian noise of BROKEN_NOISE x each decoder Linear's weight
+# RMS added first: a checkpoint as a quantizer bug would leave it (a wrong Hessian, a scale off),
+# which the registry gate (pipelines/quantize.py) must refuse.
+BROKEN_NOISE = 0.25
 
 
 def synthetic_pairs(rng, rows: int, k: int, vocab: int):
@@ -43,6 +49,18 @@ def synthetic_pairs(rng, rows: int, k: int, vocab: int):
         return np.take_along_axis(ids, order, 1).astype(np.int32), np.take_along_axis(x, order, 1).astype(np.float32)
 
     return top(base), top(noisy)
+
+
+def add_noise(model, scale: float) -> None:
+    """Each decoder Linear's weight plus Gaussian noise of `scale` x its RMS (seeded)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, m in model.model.layers.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                w = m.weight
+                w += scale * w.pow(2).mean().sqrt() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -93,7 +111,7 @@ def bench_ranking(args) -> dict:
     windows = window_sequences(token_stream(tokenizer, heldout), 128, 32)
     model = load_model(model_dir, dtype=torch.float32)
     reference = copy.deepcopy(model).to(torch.bfloat16).float()
-    ref = EngineSource.from_pretrained(model_dir)
+    ref = EngineSource.from_pretrained(model_dir, dtype=torch.bfloat16)  # the BF16 baseline, as served
     prompts = tokenize_prompts(builtin_rows(64), lambda t: tokenizer(t)["input_ids"], 96)
     t0 = time.perf_counter()
     base = lp.collect_baseline(ref, prompts, max_new_tokens=32, batch_sizes=(8,))[8]
@@ -101,7 +119,10 @@ def bench_ranking(args) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for variant, (method, rule) in VARIANTS.items():
-            quantized, _ = quantize_model(copy.deepcopy(model), seqs, method, rule)
+            source = copy.deepcopy(model)
+            if variant == "broken":
+                add_noise(source, BROKEN_NOISE)
+            quantized, _ = quantize_model(source, seqs, method, rule)
             path = export_checkpoint(model, quantized, Path(tmp) / variant.replace("/", "over"), tokenizer, scale_rule=rule,
                                      method=method)
             t0 = time.perf_counter()
@@ -110,15 +131,17 @@ def bench_ranking(args) -> dict:
             t0 = time.perf_counter()
             q = compare_models(reference, load_model(path, dtype=torch.float32), windows)
             ppl_s = time.perf_counter() - t0
-            rows.append({"variant": variant, "logprob_kl": s["kl_mean"], "flip_rate": s["flip_rate"], "ppl": q["ppl"],
+            rows.append({"variant": variant, "logprob_kl": s["kl_mean"], "kl_p99": s["kl_p99"], "flip_rate": s["flip_rate"],
+                         "cosine": s["cosine_mean"], "ppl": q["ppl"],
                          "ppl_bf16": q["ppl_reference"], "full_kl": q["kl_mean"], "score_s": score_s, "ppl_s": ppl_s})
             print(f"  {variant}: logprob KL {s['kl_mean']:.5f}, ppl {q['ppl']:.3f}", file=sys.stderr, flush=True)
     print(f"\nBF16 baseline: {len(base.sequences)} prompts, {len(base.top_ids)} positions x top-{base.top_ids.shape[1]} "
           f"({baseline_s:.1f} s); perplexity on {windows[:, 1:].numel()} held-out tokens (BF16 {rows[0]['ppl_bf16']:.3f})")
-    print(f"{'variant':<10}{'logprob KL':>12}{'flips':>8}{'ppl':>10}{'held-out KL':>13}{'score s':>9}{'ppl s':>8}")
+    print(f"{'variant':<10}{'logprob KL':>12}{'KL p99':>10}{'flips':>8}{'cosine':>10}{'ppl':>10}{'held-out KL':>13}"
+          f"{'score s':>9}{'ppl s':>8}")
     for r in rows:
-        print(f"{r['variant']:<10}{r['logprob_kl']:>12.5f}{r['flip_rate']:>8.2%}{r['ppl']:>10.3f}{r['full_kl']:>13.5f}"
-              f"{r['score_s']:>9.2f}{r['ppl_s']:>8.2f}")
+        print(f"{r['variant']:<10}{r['logprob_kl']:>12.5f}{r['kl_p99']:>10.4f}{r['flip_rate']:>8.2%}{r['cosine']:>10.5f}"
+              f"{r['ppl']:>10.3f}{r['full_kl']:>13.5f}{r['score_s']:>9.2f}{r['ppl_s']:>8.2f}")
     rho_ppl = spearman([r["logprob_kl"] for r in rows], [r["ppl"] for r in rows])
     rho_kl = spearman([r["logprob_kl"] for r in rows], [r["full_kl"] for r in rows])
     print(f"Spearman rank correlation, logprob KL vs held-out perplexity: {rho_ppl:.2f}; vs held-out full-vocabulary KL: "
