@@ -98,14 +98,16 @@ def http_tokenize(source: HTTPSource):
 
 def score_checkpoint(candidate: str | Path, reference: str | Path, *, batch_size: int = 8, num_prompts: int = 64,
                      prompt_tokens: int = 96, max_new_tokens: int = 32, top_k: int = lp.TOP_K,
-                     positions: int = lp.LAST_POSITIONS, drift: bool = False, **engine_kwargs) -> dict:
+                     positions: int = lp.LAST_POSITIONS, drift: bool = False, reference_kwargs: dict | None = None,
+                     **engine_kwargs) -> dict:
     """Score a checkpoint against a reference checkpoint in this process, both in evaluation mode,
     on the built-in prompt set -> the summary dict (kl_mean, kl_p99, flip_rate, cosine_mean, ...,
     and drift_* with drift=True). For the quantize gate, the KV-cache plan ablation (engine_kwargs
-    such as kv_dtypes apply to the candidate) and Medusa."""
+    such as kv_dtypes apply to the candidate; reference_kwargs, e.g. dtype, to the reference) and
+    Medusa."""
     from sala.eval.engine_source import EngineSource
 
-    ref = EngineSource.from_pretrained(reference)
+    ref = EngineSource.from_pretrained(reference, **(reference_kwargs or {}))
     tok = ref.engine.tokenizer
     prompts = tokenize_prompts(builtin_rows(num_prompts), lambda t: tok(t)["input_ids"], prompt_tokens)
     base = lp.collect_baseline(ref, prompts, max_new_tokens=max_new_tokens, batch_sizes=(batch_size,), top_k=top_k,
