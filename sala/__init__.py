@@ -18,27 +18,37 @@ def _initializing(name: str) -> bool:
 
 
 def register_with_transformers() -> None:
-    """SALA's config, model and tokenizer classes in transformers' Auto classes (sala/model.py
-    registers them as the last thing it does)."""
+    """SALA's config, model and tokenizer classes in transformers' Auto classes (sala/config.py
+    and sala/model.py register theirs as they load)."""
     if not _initializing("sala.model"):
         import sala.model  # noqa: F401
 
 
 class _AfterTransformers(importlib.abc.MetaPathFinder):
-    """Registers SALA right after transformers itself has loaded, whoever imported it. When the
-    importer is sala/config.py or sala/model.py, that module registers when it is done."""
+    """Registers SALA once transformers has loaded, whoever imported it: right after transformers
+    itself, or, when sala/config.py imported it (part-way through: SALAConfig does not exist
+    yet), right after sala/config.py. When sala/model.py is part-way through, it registers as it
+    ends."""
+
+    def __init__(self):
+        self.watched = {"transformers", "sala.config"}
 
     def find_spec(self, name, path=None, target=None):
-        if name != "transformers":
+        if name not in self.watched:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.watched.discard(name)
+        sys.meta_path.remove(self)  # the real spec, without coming back here
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            if self.watched:
+                sys.meta_path.insert(0, self)
         if spec is not None and spec.loader is not None:
             exec_module = spec.loader.exec_module
 
             def exec_then_register(module):
                 exec_module(module)
-                if not _initializing("sala.config"):
+                if name == "sala.config" or not _initializing("sala.config"):
                     register_with_transformers()
 
             spec.loader.exec_module = exec_then_register

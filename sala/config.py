@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from sala import sparse
 
@@ -197,10 +197,6 @@ class SALAConfig(PretrainedConfig):
         return 1.0
 
 
-def _register() -> None:
-    import sala
-
-    sala.register_with_transformers()  # sala/__init__: the Auto classes know SALA once transformers is loaded
-
-
-_register()
+# The Auto classes know SALA's config and tokenizer as soon as this loads (the model: sala/model.py).
+AutoConfig.register(SALAConfig.model_type, SALAConfig, exist_ok=True)
+AutoTokenizer.register(SALAConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)

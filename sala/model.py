@@ -23,14 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationMixin,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from sala import lightning, lightning_tree, sparse
@@ -709,6 +702,4 @@ class SALAForCausalLM(SALAPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
 
 
-AutoConfig.register(SALAConfig.model_type, SALAConfig, exist_ok=True)
-AutoModelForCausalLM.register(SALAConfig, SALAForCausalLM, exist_ok=True)
-AutoTokenizer.register(SALAConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+AutoModelForCausalLM.register(SALAConfig, SALAForCausalLM, exist_ok=True)  # config and tokenizer: sala/config.py
