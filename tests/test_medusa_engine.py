@@ -1,5 +1,6 @@
 """Medusa in the engine on tiny-sala: greedy decoding with tree verify equals greedy decoding
-without it token for token (the lossless property), and verify never writes the pools.
+without it token for token (the lossless property; also under a mixed cache plan, and with the
+verify step compiled), and verify never writes the pools.
 
 BF16 logits come out of a BF16 lm_head, so two tokens can have exactly the same logit; argmax
 then takes the lower id, and a verify step whose hidden state differs from the decode step's in
