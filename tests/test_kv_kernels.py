@@ -149,3 +149,47 @@ def test_fp8_write_rounds_every_e4m3_interval_like_torch():
     torch_pages.write(rows, x)
     triton_pages.write_triton(rows, x)
     assert torch.equal(torch_pages.data.view(torch.uint8), triton_pages.data.view(torch.uint8))
+
+
+def test_bench_exits_with_one_line_without_a_gpu():
+    from tests.conftest import assert_gpu_bench_refuses_cpu
+
+    assert_gpu_bench_refuses_cpu("kv_attention_gpu.py")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nvfp4_4over6"])
+def test_engine_path_on_gpu_writes_the_torch_bits_and_attends_under_a_cuda_graph(fmt):
+    """On CUDA KVPages dispatches to the kernels: the pages written equal the torch codec's on
+    CPU, decode attention agrees with the torch path over them, and both replay in a graph."""
+    b, hq, hkv, d, page, n_pages = 4, 32, 2, 128, 64, 80
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(n_pages * page, hkv, d, generator=g) * 3).to(torch.bfloat16)
+    amax = None if fmt == "fp8" else [12.0, 12.0]
+    cpu, gpu = KVPages(make_codec(fmt, amax), n_pages, page, hkv, d, "cpu"), KVPages(make_codec(fmt, amax), n_pages, page, hkv, d, "cuda")
+    rows = torch.randperm(n_pages * page, generator=g)
+    cpu.write(rows, x)
+    gpu.write(rows.cuda(), x.cuda())
+    same = (cpu.data.view(torch.uint8) == gpu.data.view(torch.uint8).cpu()).float().mean().item()
+    assert same == 1.0 or (fmt == "nvfp4_4over6" and same > 0.99), same
+    v = KVPages(make_codec("fp8"), n_pages, page, hkv, d, "cuda")
+    v.write(rows.cuda(), x.cuda().flip(0))
+    tables = torch.randperm(n_pages, device="cuda")[: b * 20].view(b, 20).int()
+    lens = torch.tensor([1, 700, 1280, 64], device="cuda", dtype=torch.int32)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    from sala.kv import decode_attention
+
+    out = decode_attention(q, gpu, v, tables, lens, d**-0.5)
+    ref = decode_attention_reference(q, gpu, v, tables, lens, d**-0.5)
+    assert (out.float() - ref.float()).abs().max() <= 2**-6 * v.dequantized(torch.float32).abs().max()
+    graph_out = torch.empty_like(out)
+    new_rows = torch.arange(8, device="cuda")
+    fresh = torch.randn(8, hkv, d, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gpu.write(new_rows, fresh)
+        graph_out.copy_(decode_attention(q, gpu, v, tables, lens, d**-0.5))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_out, decode_attention(q, gpu, v, tables, lens, d**-0.5), rtol=0, atol=0)
