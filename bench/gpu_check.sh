@@ -22,9 +22,11 @@ step() {  # name, timeout seconds, command...
   echo "=== $name: exit $rc"
   [ "$rc" = 0 ] || status=1
 }
-step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_paged_attention.py tests/test_nvfp4_gemm.py tests/test_engine.py tests/test_sampling_controls.py tests/test_block_sparse_attention.py
+step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_paged_attention.py tests/test_kv_kernels.py tests/test_nvfp4_gemm.py tests/test_engine.py tests/test_sampling_controls.py tests/test_block_sparse_attention.py
 step nvfp4_gemm 60 "$PY" bench/nvfp4_gemm_gpu.py
 step paged_attention 60 "$PY" bench/paged_attention_gpu.py
+step kv_attention 90 "$PY" bench/kv_attention_gpu.py
+step kv_decode 120 "$PY" bench/kv_decode.py
 step engine_9b 180 "$PY" bench/engine_gpu.py
 grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" || true
 exit $status

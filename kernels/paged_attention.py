@@ -18,12 +18,23 @@ The Triton kernel (flash decoding) runs one program per (sequence, kv head, cont
   Determinism); with one split the first kernel writes the output itself, bit-identical to the
   merge of one split.
 
+Quantized pages (sala/kv formats) go through the same kernel, dequantized in registers: FP8
+E4M3 bytes, or NVFP4 (two E2M1 codes a byte, one FP8 scale per 16 elements of head_dim). A
+tile's values are exact in the compute dtype (an FP8 value, or E2M1 x an FP8 group scale: at
+most 6 significant bits), so the tensor-core dots see the stored K/V unrounded; the scales that
+remain are applied to the scores and the output instead of to every element: a per-key FP8
+scale (computed on write) multiplies the key's score (K) or its softmax weight (V), and a
+per-head FP8 scale or an NVFP4 global scale multiplies all of the program's scores (K) or its
+output (V). Reading 1 or 0.5625 bytes an element instead of 2 is what the formats are for:
+decode attention is bound by reading K/V.
+
 The grid is sized from shapes only (block_tables' width), never from context_lens' values, so
 the call is CUDA-graph capturable; programs whose split starts past their sequence's context do
 nothing, and the loop inside a program stops at the context, so a block table far wider than
 the contexts costs only empty programs.
 """
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +45,8 @@ try:
 except ImportError:  # CPU installs may lack triton; the torch reference still works
     triton = None
 
+# How a side (K or V) of the pool is stored, as the kernel's K_FMT / V_FMT see it.
+DENSE, FP8_HEAD, FP8_ROW, NVFP4 = 0, 1, 2, 3
 BLOCK_N = 64  # keys per loop iteration: a [64, 128] bf16 K tile is 16 KiB
 SPLIT_LEN = 256  # tokens per program: 128 KiB of K+V per kv head at D = 128, vs 8 KiB of partials (16 heads)
 
@@ -53,6 +66,38 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> tuple[int, int, i
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but the caches are {k_cache.dtype} / {v_cache.dtype}")
     return b, hq, d, page_size, hkv
+
+
+@dataclass
+class PagedKV:
+    """One side (K or V) of a paged pool in any of the formats sala/kv stores:
+
+    - "dense": `data` [pages, page_size, Hkv, D] in q's dtype;
+    - "fp8": `data` float8_e4m3fn (or its uint8 bytes) [pages, page_size, Hkv, D], value =
+      data * scale with `row_scale` fp32 [pages, page_size, Hkv] (one per token and head,
+      computed on write) or `head_scale` fp32 [Hkv] (calibrated);
+    - "nvfp4": `data` uint8 [pages, page_size, Hkv, D/2] (low nibble = even element),
+      `row_scale` float8_e4m3fn [pages, page_size, Hkv, D/16] group scales and `head_scale`
+      fp32 [1] the global scale in the encode direction: value = E2M1[code] * scale / global.
+    """
+
+    data: torch.Tensor
+    fmt: str = "dense"
+    row_scale: torch.Tensor | None = None
+    head_scale: torch.Tensor | None = None
+
+    def code(self) -> int:
+        if self.fmt == "dense":
+            return DENSE
+        if self.fmt == "fp8":
+            if (self.row_scale is None) == (self.head_scale is None):
+                raise ValueError("fp8 pages need exactly one of row_scale (per token) and head_scale (per head)")
+            return FP8_ROW if self.row_scale is not None else FP8_HEAD
+        if self.fmt == "nvfp4":
+            if self.row_scale is None or self.head_scale is None:
+                raise ValueError("nvfp4 pages need row_scale (group scales) and head_scale (the global scale)")
+            return NVFP4
+        raise ValueError(f"unknown page format {self.fmt!r}; expected dense, fp8 or nvfp4")
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
@@ -78,10 +123,28 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_
 
 
 if triton is not None:
+    from kernels.nvfp4_gemm import e2m1_decode
+
+    @triton.jit
+    def _load_tile(ptr, row_off, srow, rd, mask, s_ptr, stride_d, FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """[BLOCK_N, BLOCK_D] values of the keys at element offsets row_off (pool row srow,
+        the index of its scales) with the per-key and per-head scales left out, exact in
+        fp32. Dense tiles come back as stored."""
+        if FMT == 3:  # NVFP4: element d is nibble d % 2 of byte d // 2, its scale is group d // 16
+            byte = tl.load(ptr + row_off[:, None] + (rd // 2)[None, :] * stride_d, mask=mask, other=0)
+            code = (byte >> ((rd % 2) * 4)[None, :]) & 0xF
+            gs = tl.load(s_ptr + srow[:, None] * (HEAD_DIM // 16) + (rd // 16)[None, :], mask=mask, other=0)
+            return e2m1_decode(code) * gs.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif FMT != 0:  # FP8 bytes
+            x = tl.load(ptr + row_off[:, None] + rd[None, :] * stride_d, mask=mask, other=0)
+            return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            return tl.load(ptr + row_off[:, None] + rd[None, :] * stride_d, mask=mask, other=0.0)
 
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
+        ks_ptr, kf_ptr, vs_ptr, vf_ptr,
         scale, split_len,
         stride_qb, stride_qh, stride_qd,
         stride_kp, stride_kt, stride_kh, stride_kd,
@@ -92,12 +155,15 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, UPCAST: tl.constexpr,
-        OFF64: tl.constexpr, SAME_STRIDES: tl.constexpr,
+        OFF64: tl.constexpr, SAME_STRIDES: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     ):  # fmt: skip
         """Program (b, kv head, split): the GROUP query heads of that kv head over tokens
         [split * split_len, min(context, (split + 1) * split_len)). PARTIAL: store the
         unnormalised output at o_ptr + split * stride_os and the running max / sum at m_ptr /
-        l_ptr; otherwise store the normalised output in o's dtype."""
+        l_ptr; otherwise store the normalised output in o's dtype. K_FMT / V_FMT: DENSE,
+        FP8_HEAD, FP8_ROW or NVFP4 (PagedKV); ks/vs_ptr the per-row scales (FP8_ROW: fp32 a
+        row, NVFP4: FP8 group scales, both as contiguous [pool rows * Hkv(, D/16)]) and
+        kf/vf_ptr the per-head FP8 scales [Hkv] or the NVFP4 global scale [1]."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -116,6 +182,12 @@ if triton is not None:
         )
         if UPCAST:
             q = q.to(tl.float32)
+        # Scalar K scales fold into the score scale (scalar V scales into the output, below).
+        if K_FMT == 1:
+            scale = scale * tl.load(kf_ptr + kvh)
+        elif K_FMT == 3:
+            scale = scale / tl.load(kf_ptr)
+        hkv = tl.num_programs(1)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
@@ -128,20 +200,26 @@ if triton is not None:
             page = page.to(tl.int64) if OFF64 else page.to(tl.int32)
             row = t % PAGE_SIZE
             kv_ok = t_ok[:, None] & d_ok[None, :]
-            k_off = (page * stride_kp + row * stride_kt + kvh * stride_kh)[:, None] + rd[None, :] * stride_kd
+            k_row = page * stride_kp + row * stride_kt + kvh * stride_kh
             if SAME_STRIDES:  # K and V pools laid out alike (the usual case) share one offset tile
-                v_off = k_off
+                v_row = k_row
+                stride_vd = stride_kd
             else:
-                v_off = (page * stride_vp + row * stride_vt + kvh * stride_vh)[:, None] + rd[None, :] * stride_vd
-            k = tl.load(k_ptr + k_off, mask=kv_ok, other=0.0)
+                v_row = page * stride_vp + row * stride_vt + kvh * stride_vh
+            srow = (page * PAGE_SIZE + row) * hkv + kvh  # the row's index in per-row scale tensors
+            k = _load_tile(k_ptr, k_row, srow, rd, kv_ok, ks_ptr, stride_kd, K_FMT, HEAD_DIM)
             # V's load is issued before the QK dot so both tiles are in flight at once.
-            v = tl.load(v_ptr + v_off, mask=kv_ok, other=0.0)
+            v = _load_tile(v_ptr, v_row, srow, rd, kv_ok, vs_ptr, stride_vd, V_FMT, HEAD_DIM)
             if UPCAST:
                 k = k.to(tl.float32)
+            elif K_FMT != 0:
+                k = k.to(q.dtype)  # exact: see the module docstring
             if DOT_FP32:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if K_FMT == 2:
+                s = s * tl.load(ks_ptr + srow, mask=t_ok, other=1.0)[None, :]
             s = tl.where(t_ok[None, :], s * scale, float("-inf"))
             # Every block holds at least one valid key (t0 < end), so m_new is finite and no
             # exp(-inf - -inf) arises; the first block's alpha is exp(-inf) = 0.
@@ -149,16 +227,25 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if V_FMT == 2:  # a per-key V scale weighs the key's softmax weight
+                p = p * tl.load(vs_ptr + srow, mask=t_ok, other=0.0)[None, :]
             if UPCAST:
-                # The GPU rounds p to the cache dtype for the tensor-core dot; keep that rounding.
-                p = p.to(v_ptr.dtype.element_ty).to(tl.float32)
+                # The GPU rounds p to the compute dtype for the tensor-core dot; keep that rounding.
+                p = p.to(q_ptr.dtype.element_ty).to(tl.float32)
                 v = v.to(tl.float32)
+            elif V_FMT != 0:
+                v = v.to(q.dtype)
             if DOT_FP32:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        # The merge is linear in acc, so partials may carry the scalar V scale too.
+        if V_FMT == 1:
+            acc = acc * tl.load(vf_ptr + kvh)
+        elif V_FMT == 3:
+            acc = acc / tl.load(vf_ptr)
         out = o_ptr + b * stride_ob + heads[:, None] * stride_oh + rd[None, :] * stride_od
         if PARTIAL:
             # Splits starting past the context store nothing: the merge never reads them. (A
@@ -214,36 +301,86 @@ def paged_decode_attention_triton(
     """The Triton flash-decoding kernel; same contract as ``paged_decode_attention``.
     ``split_len``: tokens per program (tests and benchmarks vary it; results depend on it only
     through summation order)."""
-    b, hq, d, page_size, hkv = _check(q, k_cache, v_cache, block_tables, context_lens)
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    return paged_decode_attention_pages_triton(q, PagedKV(k_cache), PagedKV(v_cache), block_tables, context_lens,
+                                               scale, split_len=split_len)
+
+
+def _check_pages(q, k: PagedKV, v: PagedKV, block_tables, context_lens) -> tuple[int, int, int, int, int]:
+    b, hq, d = q.shape
+    for side, pk in (("k", k), ("v", v)):
+        code = pk.code()
+        width = d // 2 if code == NVFP4 else d
+        if pk.data.ndim != 4 or pk.data.shape[3] != width or pk.data.shape[:3] != k.data.shape[:3]:
+            raise ValueError(f"{side} pages {tuple(pk.data.shape)} ({pk.fmt}) do not fit q {tuple(q.shape)} and "
+                             f"k pages {tuple(k.data.shape)}: expected [pages, page_size, Hkv, {width}]")
+        if code == DENSE and pk.data.dtype != q.dtype:
+            raise ValueError(f"q is {q.dtype} but the dense {side} pages are {pk.data.dtype}")
+        if code != DENSE and pk.data.dtype.itemsize != 1:
+            raise ValueError(f"{pk.fmt} {side} pages hold bytes, got {pk.data.dtype}")
+        if code == NVFP4 and d % 16:
+            raise ValueError(f"nvfp4 pages need head_dim divisible by 16, got {d}")
+        if pk.row_scale is not None and not pk.row_scale.is_contiguous():
+            raise ValueError(f"{side} row scales must be contiguous")
+    _, page_size, hkv, _ = k.data.shape
+    if hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pages {tuple(k.data.shape)}: Hq must be a multiple of Hkv")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must be [B, max_pages] and [B] for B = {b}")
+    return b, hq, d, page_size, hkv
+
+
+def _kernel_view(pk: PagedKV, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, row scales, head scales) as the kernel takes them: bytes for FP8 (the interpreter
+    and older GPUs read the bits), `like` standing in for an absent pointer."""
+    data = pk.data.view(torch.uint8) if pk.code() != DENSE else pk.data
+    rows = like if pk.row_scale is None else pk.row_scale
+    if rows.dtype == torch.float8_e4m3fn:
+        rows = rows.view(torch.uint8)
+    heads = like if pk.head_scale is None else pk.head_scale.float()
+    return data, rows, heads
+
+
+def paged_decode_attention_pages_triton(
+    q, k: PagedKV, v: PagedKV, block_tables, context_lens, scale: float, *, split_len: int = SPLIT_LEN
+) -> torch.Tensor:
+    """The Triton flash-decoding kernel over pages in any format (PagedKV), dequantized in
+    registers; otherwise the contract of ``paged_decode_attention``."""
+    b, hq, d, page_size, hkv = _check_pages(q, k, v, block_tables, context_lens)
     if split_len < 1:
         raise ValueError(f"split_len must be positive, got {split_len}")
     group = hq // hkv
     o = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     splits = triton.cdiv(block_tables.shape[1] * page_size, split_len)
+    k_data, k_rows, k_heads = _kernel_view(k, o)
+    v_data, v_rows, v_heads = _kernel_view(v, o)
     # fp32 caches get exact fp32 dots (not TF32). Triton's interpreter multiplies bf16 tl.dot
     # operands as raw uint16 bit patterns (triton-lang/triton#11584), so under it bf16 and
     # fp16 operands are widened to fp32 first: q and K exactly, p after rounding to the cache
     # dtype as the GPU does, summed in fp32 as the tensor cores do.
     upcast = q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
     dot_fp32 = q.dtype == torch.float32 or upcast
-    off64 = max(_span(k_cache), _span(v_cache)) >= 2**31
+    off64 = max(_span(k_data), _span(v_data)) >= 2**31
     meta = dict(
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=BLOCK_N,
-        DOT_FP32=dot_fp32, UPCAST=upcast, OFF64=off64, SAME_STRIDES=k_cache.stride() == v_cache.stride(),
-        # Registers per thread from ptxas (Triton 3.9, sm_90, D = 128, BLOCK_N = 64): bf16/fp16
-        # with int32 offsets 238 at 4 warps, no spills; int64 offsets spill at 4 warps (80 B)
-        # and fp32 spills badly (4 KiB), while 8 warps take 234 (int64) and 197 (fp32), no
-        # spills. Not yet timed on a GPU.
+        DOT_FP32=dot_fp32, UPCAST=upcast, OFF64=off64, SAME_STRIDES=k_data.stride() == v_data.stride(),
+        K_FMT=k.code(), V_FMT=v.code(),
+        # Registers per thread from ptxas (Triton 3.9, sm_90, D = 128, BLOCK_N = 64), dense
+        # pages: bf16/fp16 with int32 offsets 238 at 4 warps, no spills; int64 offsets spill at
+        # 4 warps (80 B) and fp32 spills badly (4 KiB), while 8 warps take 234 (int64) and 197
+        # (fp32), no spills. Not yet measured for the quantized formats, nor timed on a GPU.
         num_warps=8 if off64 or q.dtype == torch.float32 else 4,
     )  # fmt: skip
     common = (
         q.stride(0), q.stride(1), q.stride(2),
-        *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), block_tables.stride(1),
+        *k_data.stride(), *v_data.stride(), block_tables.stride(0), block_tables.stride(1),
     )  # fmt: skip
+    scales = (k_rows, k_heads, v_rows, v_heads)
     if splits == 1:
         _paged_decode_kernel[(b, hkv, 1)](
-            q, k_cache, v_cache, block_tables, context_lens, o, o, o, scale, split_len,
+            q, k_data, v_data, block_tables, context_lens, o, o, o, *scales, scale, split_len,
             *common, o.stride(0), o.stride(1), 0, o.stride(2), 0, 0, PARTIAL=False, **meta,
         )  # fmt: skip
         return o
@@ -252,7 +389,7 @@ def paged_decode_attention_triton(
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     _paged_decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, m, l_, scale, split_len,
+        q, k_data, v_data, block_tables, context_lens, acc, m, l_, *scales, scale, split_len,
         *common, acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), m.stride(0), m.stride(1),
         PARTIAL=True, **meta,
     )  # fmt: skip

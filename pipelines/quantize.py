@@ -38,6 +38,7 @@ from registry.models import ModelSpecError, model_name, register_checkpoint, res
 from registry.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, load_model, read_config, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
+from sala.kv import PLAN_FILE, KVPlanError, load_plan  # noqa: E402
 from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 
 # The registry gate: pipelines/evaluate.py's logprob comparison of the written checkpoint against
@@ -102,6 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--alias", default="champion", help="alias to move when the gate passes")
     ap.add_argument("--no-register", action="store_true", help="skip the model registry")
     ap.add_argument("--experiment", default="sala-quantize", help="MLflow experiment")
+    ap.add_argument("--kv-plan", help="kv_plan.json (e.g. from pipelines/kv_sensitivity.py) to ship with the checkpoint: "
+                                      "FP8 k_scale / v_scale under a compressed-tensors kv_cache_scheme, the plan beside "
+                                      "config.json and on the registered version; K/V scales it lacks are calibrated here "
+                                      "(default: the source checkpoint's kv_plan.json, if it has one)")
     args = ap.parse_args(argv)
     for name in ("num_samples", "seq_len", "shards", "eval_sequences"):
         if getattr(args, name) <= 0:
@@ -235,6 +240,18 @@ def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: L
 
 
 # ----------------------------------------------------------------------------------- report
+def calibrate_kv_scales(plan, reference, seqs: torch.Tensor) -> None:
+    """Per-head K/V amax on the calibration set for the sparse layers the plan has none for
+    (static FP8 scales and NVFP4 global scales are built from them, sala/kv/formats.py)."""
+    from sala.kv.measure import calibrate_amax
+
+    missing = [i for i in reference.config.sparse_layers if i not in plan.amax]
+    if missing:
+        amax = calibrate_amax(reference, seqs)
+        plan.amax |= {i: amax[i] for i in missing}
+        print(f"kv plan: K/V scales of sparse layer(s) {missing} calibrated on {len(seqs)} sequences", flush=True)
+
+
 def per_layer_table(results: dict) -> list[dict]:
     rows = []
     for idx in sorted(results):
@@ -298,7 +315,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (ModelSpecError, CheckpointError, cal.DatasetError, TrackingError, RayUnavailable, FileExistsError) as e:
+    except (ModelSpecError, CheckpointError, cal.DatasetError, TrackingError, RayUnavailable, FileExistsError,
+            KVPlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
@@ -325,6 +343,9 @@ def run(args) -> int:
         check_address(os.environ["RAY_ADDRESS"])
     model_dir = resolve_model_path(args.model or str(ensure_tiny_sala()))
     config = read_config(model_dir)
+    if args.kv_plan is None and (model_dir / PLAN_FILE).is_file():
+        args.kv_plan = str(model_dir / PLAN_FILE)  # the source's plan (pipelines/kv_sensitivity.py) travels on
+    kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, config)  # a bad plan fails here, before any work
     name = model_name(args.model, model_dir)
     output = Path(args.output).absolute() if args.output else default_output(name, args)
     # The default output is a cache slot the bare command reuses (registered versions keep their
@@ -374,8 +395,12 @@ def run(args) -> int:
 
         # The reference is the model as served in BF16, so the comparison measures NVFP4 alone.
         reference = load_model(model_dir, dtype=torch.bfloat16).float()
+        if kv_plan is not None:
+            calibrate_kv_scales(kv_plan, reference, seqs)
+            mlflow.log_dict(kv_plan.to_json(), "kv_plan.json")
+            mlflow.log_param("kv_plan_layers", kv_plan.describe())
         export_checkpoint(reference, quantized, output, tokenizer, scale_rule=args.scale_rule, method=args.method,
-                          overwrite=args.overwrite,
+                          overwrite=args.overwrite, kv_plan=kv_plan,
                           producer={"name": "pipelines/quantize.py", "args": {k: v for k, v in vars(args).items()}},
                           metrics={"m4_share": m4, "quantize_seconds": quant_seconds})
         shutil.rmtree(store.dir, ignore_errors=True)

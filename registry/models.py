@@ -46,11 +46,26 @@ def register_checkpoint(checkpoint: Path, name: str, tags: dict | None = None, d
     )
     version = str(info.registered_model_version)
     client = MlflowClient()
-    for k, v in (tags or {}).items():
+    for k, v in (plan_tags(checkpoint) | (tags or {})).items():
         client.set_model_version_tag(name, version, k, str(v))
     if description:
         client.update_model_version(name, version, description=description)
     return version
+
+
+def plan_tags(checkpoint: Path) -> dict[str, str]:
+    """What a version's tags say of the cache plan its checkpoint carries (kv_plan.json, which
+    the engine serves it with): the formats and the bytes a token and a sequence. The plan
+    itself is in the version's artifact, the checkpoint directory."""
+    from sala.checkpoint import read_config
+    from sala.kv import PLAN_FILE, load_plan
+
+    if not (Path(checkpoint) / PLAN_FILE).is_file():
+        return {}
+    config = read_config(Path(checkpoint))
+    plan = load_plan(Path(checkpoint) / PLAN_FILE, config)
+    return {"kv_plan": plan.describe(), "kv_bytes_per_token": str(sum(plan.kv_bytes_per_token(config).values())),
+            "state_bytes_per_seq": str(sum(plan.state_bytes_per_seq(config).values()))}
 
 
 def set_alias(name: str, alias: str, version: str) -> None:

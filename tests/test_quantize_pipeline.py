@@ -49,10 +49,27 @@ def weights_sha(ckpt: Path) -> str:
     return hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
 
 
+def mixed_plan(config):
+    """The published recipe's shape: first and last sparse layer FP8, the rest NVFP4, one bf16 state."""
+    from sala.kv import KVPlan
+
+    first, *_, last = config.sparse_layers
+    return KVPlan.uniform(config, "nvfp4", "fp32").with_units({first: "fp8", last: "fp8"}, {config.lightning_layers[0]: "bf16"})
+
+
 @pytest.fixture(scope="module")
-def sequential_run(env, tiny_sala_dir, tmp_path_factory):
+def plan_file(tiny_sala_dir, tmp_path_factory):
+    """A plan without K/V amax: the pipeline calibrates them."""
+    from sala.checkpoint import read_config
+
+    return mixed_plan(read_config(tiny_sala_dir)).save(tmp_path_factory.mktemp("plan") / "kv_plan.json")
+
+
+@pytest.fixture(scope="module")
+def sequential_run(env, tiny_sala_dir, tmp_path_factory, plan_file):
     out = tmp_path_factory.mktemp("q") / "seq"
-    r = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--register-name", "tiny-q", *SMALL)
+    r = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--register-name", "tiny-q",
+                     "--kv-plan", str(plan_file), *SMALL)
     return out, r
 
 
@@ -88,6 +105,25 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
     assert {"per_layer.json", "m4_share_per_layer.png", "output_error_per_layer.png", "calibration_mix.json"} <= artifacts
     version = client.get_model_version_by_alias("tiny-q", "champion")
     assert version.tags["method"] == "gptq"
+    # The cache plan: calibrated into FP8 k/v scales under a compressed-tensors kv_cache_scheme,
+    # beside the checkpoint, in the run and on the registered version.
+    from sala.kv import load_plan
+
+    plan = load_plan(out, model.config)
+    want = mixed_plan(model.config)
+    assert (plan.kv, plan.state) == (want.kv, want.state) and set(plan.amax) == set(model.config.sparse_layers)
+    assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        scale = f.get_tensor("model.layers.0.self_attn.k_scale")
+    assert scale.shape == (model.config.num_key_value_heads, 1, 1)
+    import torch
+
+    torch.testing.assert_close(scale.flatten(), torch.tensor(plan.amax[0]["k"]) / 448)
+    assert "kv_plan.json" in artifacts and runs[0].data.params["kv_plan_layers"] == plan.describe()
+    assert version.tags["kv_plan"] == plan.describe()
+    assert int(version.tags["kv_bytes_per_token"]) == sum(plan.kv_bytes_per_token(model.config).values())
 
     from registry.models import resolve_model_path
 
@@ -96,21 +132,25 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
         resolved = resolve_model_path("models:/tiny-q@champion")
     assert weights_sha(resolved) == weights_sha(out)
 
-    # The registered NVFP4 checkpoint serves: the engine runs its packed W4A16 Linears and
-    # decodes exactly what the model's own full forward decodes greedily.
-    import torch
-
+    # The registered NVFP4 checkpoint serves: the engine runs its packed W4A16 Linears.
+    # The registered version is served with its plan: the engine's pools hold the plan's formats
+    # and it decodes what the model's full forward over the same quantized K/V decodes.
     from sala.engine import Engine, SamplingParams
+    from sala.kv import apply_to_model
     from sala.quant.linear import NVFP4Linear
 
     engine = Engine.from_pretrained(resolved)
     assert isinstance(engine.model.model.layers[3].mlp.down_proj, NVFP4Linear)
+    assert (engine.kv_plan.kv, engine.kv_plan.state) == (plan.kv, plan.state)
+    assert engine.cache.k[4].data.dtype == torch.uint8 and engine.cache.states[model.config.lightning_layers[0]].dtype == torch.bfloat16
     ids = engine.encode("The for statement")
     got = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
     seq = list(ids)
+    apply_to_model(engine.model, engine.kv_plan)
     with torch.no_grad():
         for _ in range(8):
             seq.append(int(engine.model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    apply_to_model(engine.model, None)
     assert got == seq[len(ids):]
 
 
@@ -187,11 +227,11 @@ def wait_until(condition, proc, err, timeout=300):
         time.sleep(0.02)
 
 
-def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path):
+def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path, plan_file):
     """Ctrl-C (SIGINT to the driver) once layer 3 is saved: exit 130, nothing at the output, the
     finished layers kept; the same command again reuses them and writes the same bytes."""
     out = tmp_path / "resumed"
-    args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", *SMALL]
+    args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", "--kv-plan", str(plan_file), *SMALL]
     layers_dir = out.with_name(f".{out.name}.layers")
     proc, _, err = start_pipeline(env, *args)
     wait_until(lambda: (layers_dir / "layer_003.json").exists(), proc, err)
@@ -206,11 +246,12 @@ def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny
     assert not layers_dir.exists()
 
 
-def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_dir, tmp_path):
+def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_dir, tmp_path, plan_file):
     """SIGKILL one worker actor's process while layers are being quantized: Ray restarts it, it
     replays the quantized layers before its pending call, and the checkpoint is the same bytes."""
     out = tmp_path / "faulty"
-    proc, lines, err = start_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--no-register", *SMALL)
+    proc, lines, err = start_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--no-register",
+                                      "--kv-plan", str(plan_file), *SMALL)
     layers_dir = out.with_name(f".{out.name}.layers")
     wait_until(lambda: (layers_dir / "layer_002.json").exists(), proc, err)
     assert not (layers_dir / "layer_007.json").exists()  # the kill lands mid-quantization
@@ -223,12 +264,12 @@ def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_
     assert GATE_PASSED.search("".join(lines))
 
 
-def test_one_worker_writes_the_same_bytes_as_two(env, sequential_run, tiny_sala_dir, tmp_path):
+def test_one_worker_writes_the_same_bytes_as_two(env, sequential_run, tiny_sala_dir, tmp_path, plan_file):
     """The Hessians are summed per calibration shard in shard order, so the worker count (here 1
     against sequential_run's 2) changes the time, not a byte of the checkpoint."""
     assert "workers    2 Ray actors" in sequential_run[1].stdout
     one = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(tmp_path / "one"), "--workers", "1",
-                       "--no-register", *SMALL)
+                       "--no-register", "--kv-plan", str(plan_file), *SMALL)
     assert "workers    1 Ray actors" in one.stdout
     assert weights_sha(tmp_path / "one") == weights_sha(sequential_run[0])
 
@@ -242,11 +283,14 @@ def test_one_worker_writes_the_same_bytes_as_two(env, sequential_run, tiny_sala_
         (["--calibration", "{tmp}/notext.jsonl"], "no text column"),
         (["--calibration", "{tmp}/empty.jsonl"], "dataset is empty"),
         (["--output", "{tmp}"], "exists; pass --overwrite"),
+        (["--kv-plan", "{tmp}/missing.json"], "missing.json: no such file"),
+        (["--kv-plan", "{tmp}/bad_plan.json"], "layer 0: unknown kv format 'int4'"),
     ],
 )
 def test_bad_input_fails_fast_with_one_line(env, tiny_sala_dir, tmp_path, args, needle):
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad_plan.json").write_text('{"layers": [{"layer": 0, "kind": "sparse", "kv": "int4"}]}')
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     if "--model" not in args:
         args = ["--model", str(tiny_sala_dir), *args]

@@ -1,17 +1,25 @@
 """One sparse layer's K or V pages in its format, and decode attention over them.
 
 `KVPages` holds `data` [pages, page_size, H, D or D/2] and, where the format keeps one per
-row, `scale` [pages, page_size, H(, D/16)]. Writes quantize with the codec's torch code; reads
-dequantize. Dense pages in the compute dtype take the exact paths the engine had before formats
-existed (the Triton decode kernel on CUDA). Quantized pages are dequantized per step into the
-compute dtype before the dense attention: correct on every device; a Triton kernel that
-dequantizes in registers is still to come (issue 9, item 2).
+row, `scale` [pages, page_size, H(, D/16)]. Dense pages in the compute dtype take the exact
+paths the engine had before formats existed. On CUDA, writes quantize with the Triton kernels
+of kernels/kv_quant.py and decode attention reads FP8 / NVFP4 pages with the Triton kernel of
+kernels/paged_attention.py, dequantizing in registers; elsewhere (CPU) writes quantize with the
+codec's torch code and decode attention dequantizes the batch's pages into the compute dtype
+before the dense torch reference. Both store the same bits (tests/test_kv_kernels.py).
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from kernels import kv_quant
+from kernels.paged_attention import (
+    PagedKV,
+    paged_decode_attention,
+    paged_decode_attention_pages_triton,
+    paged_decode_attention_reference,
+    triton,
+)
 from sala.kv.formats import FP8, NVFP4, KVCodec
 
 
@@ -35,10 +43,31 @@ class KVPages:
 
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         """x [N, H, D] into pool rows (page * page_size + offset) `rows` [N]."""
+        if self.data.is_cuda and triton is not None and self.codec.dense_dtype is None:
+            return self.write_triton(rows, x)
         data, scale = self.codec.encode(x)
         _copy_rows(self._rows(self.data), rows, data)
         if scale is not None:
             _copy_rows(self._rows(self.scale), rows, scale)
+
+    def write_triton(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """`write` by the Triton kernels (any device Triton runs on; the interpreter on CPU)."""
+        c = self.codec
+        if isinstance(c, FP8):
+            kv_quant.fp8_write_triton(x, rows, self.data, self.scale, c.head_scale)
+        elif isinstance(c, NVFP4):
+            kv_quant.nvfp4_write_triton(x, rows, self.data, self.scale, c.global_scale, c.scale_rule == "4over6")
+        else:
+            raise ValueError(f"no Triton write for {c.name} pages")
+
+    def kernel_view(self) -> PagedKV:
+        """The pages as the Triton decode kernel reads them."""
+        c = self.codec
+        if isinstance(c, FP8):
+            return PagedKV(self.data, "fp8", self.scale, c.head_scale)
+        if isinstance(c, NVFP4):
+            return PagedKV(self.data, "nvfp4", self.scale, c.global_scale)
+        return PagedKV(self.data)
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N, H, D] dequantized values of pool rows `rows`."""
@@ -71,6 +100,8 @@ def decode_attention(q, k: KVPages, v: KVPages, block_tables, context_lens, scal
     """`paged_decode_attention` over pages in any format: q [B, Hq, D] -> [B, Hq, D]."""
     if k.codec.lossless_for(q.dtype) and v.codec.lossless_for(q.dtype):
         return paged_decode_attention(q, k.data, v.data, block_tables, context_lens, scale)
+    if q.is_cuda and triton is not None and all(p.codec.dense_dtype in (None, q.dtype) for p in (k, v)):
+        return paged_decode_attention_pages_triton(q, k.kernel_view(), v.kernel_view(), block_tables, context_lens, scale)
     return decode_attention_reference(q, k, v, block_tables, context_lens, scale)
 
 
