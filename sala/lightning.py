@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from kernels.lightning_prefill import lightning_prefill_triton, triton
+
 
 def decay_slopes(n_heads: int) -> torch.Tensor:
     """ALiBi slope schedule, including its fallback for head counts that are not powers of two."""
@@ -92,6 +94,9 @@ def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_s
     dv = v.shape[-1]
     if t_total == 0:
         return q.new_zeros(b, h, 0, dv), s0
+    if q.is_cuda and triton is not None and chunk_size == CHUNK_SIZE and not (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return lightning_prefill_triton(q, k, v, g, scale, state, lengths)  # the same chunks, fused (no backward)
     c = min(chunk_size, t_total)
     n = -(-t_total // c)
     pad = n * c - t_total
