@@ -227,5 +227,7 @@ class PrefixRoutingIngress:
             if len(body) > self.max_body_bytes:
                 break
         scope = request.scope
-        routed = RoutedRequest({k: scope[k] for k in SCOPE_KEYS if k in scope}, body, prompt_key(scope["path"], body))
+        path, root = scope["path"], scope.get("root_path", "")
+        endpoint = path[len(root) :] if root and path.startswith(root) else path  # the app's own path, under any route_prefix
+        routed = RoutedRequest({k: scope[k] for k in SCOPE_KEYS if k in scope}, body, prompt_key(endpoint, body))
         return RelayedResponse(self.server.remote(routed))

@@ -7,6 +7,7 @@ import torch
 from kernels.lightning_prefill import lightning_prefill_reference, lightning_prefill_triton
 from kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton, triton
 from sala import lightning
+from tests.conftest import assert_gpu_bench_refuses_cpu
 
 needs_triton = pytest.mark.skipif(triton is None, reason="triton is not installed")
 
@@ -105,3 +106,7 @@ def test_prefill_kernels_on_cuda_at_the_9b_shapes():
     want_o, want_s = lightning_prefill_reference(q, k, v, g, 128**-0.5, s0)
     torch.testing.assert_close(o, want_o, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(s, want_s, atol=1e-3, rtol=1e-3)
+
+
+def test_gpu_bench_refuses_a_machine_without_cuda():
+    assert_gpu_bench_refuses_cpu("prefill_kernels_gpu.py")
