@@ -221,7 +221,7 @@ class SalaServer:
 
         async def run():
             try:
-                await self.app(request.scope, receive, messages.put)
+                await self.app(request.scope, receive, messages.put)  # self.app: the FastAPI app Serve wraps us with
             finally:
                 messages.put_nowait(None)
 
@@ -645,7 +645,7 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     if prefix_routing_options and not prefix_routing:
-        raise ValueError("prefix_routing_options given with prefix_routing off")
+        raise ValueError("prefix_routing_options given with prefix_routing off: drop them or turn prefix_routing on")
     RoutingOptions(**(prefix_routing_options or {}))  # a bad option fails here, not in the router
     if model is None:  # tiny-sala, built here if need be: a replica only ever resolves, never trains
         from sala.tiny import ensure_tiny_sala

@@ -7,9 +7,11 @@ routing, would happen only by luck), a second document goes to the other replica
 back through the relay (streamed or not, errors included) is what the replica answers.
 """
 import json
+import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve.router import PrefixMap, RoutingOptions, prompt_key
 from tests.conftest import serve_tiny_sala
@@ -52,12 +54,18 @@ def test_routing_options_refuse_bad_values():
             RoutingOptions(**bad)
     with pytest.raises(TypeError, match="nonsense"):
         RoutingOptions(nonsense=1)
+    from serve.app import build_app
+
+    for bad, match in (({"num_replicas": 0}, "num_replicas"), ({"prefix_routing_options": {"block_chars": 0}}, "block_chars"),
+                       ({"prefix_routing": False, "prefix_routing_options": {"block_chars": 64}}, "prefix_routing off")):
+        with pytest.raises(ValueError, match=match):
+            build_app(**bad)
 
 
 @pytest.fixture(scope="module")
 def routed_server(tiny_sala_dir):
     yield from serve_tiny_sala(tiny_sala_dir, "routed", num_replicas=2, prefix_routing=True, compile=False,
-                               prefix_snapshot_interval=128, max_tokens_limit=16)
+                               prefix_snapshot_interval=128, max_tokens_limit=256)
 
 
 def documents(model_dir, tokenizer, n: int, tokens: int) -> list[str]:
@@ -100,3 +108,30 @@ def test_relay_passes_streams_and_errors_through(routed_server):
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
         assert http.get("/health").json() == {"status": "ok"}
         assert http.get("/no/such/path").status_code == 404
+
+
+def replica_metrics(http: httpx.Client, replica: str) -> dict:
+    """/metrics of one replica: GET requests carry no prompt, so they land anywhere; ask until it answers."""
+    for _ in range(50):
+        r = http.get("/metrics")
+        if r.headers["x-sala-replica"] == replica:
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(r.text) for s in f.samples}
+    raise AssertionError(f"replica {replica} never answered /metrics")
+
+
+def test_a_client_leaving_cancels_its_request_through_the_relay(routed_server):
+    body = {"prompt": "The for statement", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    cancelled = ("sala_finished_requests_total", (("reason", "cancelled"),))
+    with httpx.Client(base_url=routed_server, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            replica = r.headers["x-sala-replica"]
+            before = replica_metrics(http, replica)[cancelled]
+            assert any(line.startswith("data: ") for _, line in zip(range(4), r.iter_lines()))
+        for _ in range(100):
+            samples = replica_metrics(http, replica)
+            if samples[("sala_running_requests", ())] == 0:
+                break
+            time.sleep(0.1)
+        assert samples[("sala_running_requests", ())] == 0
+        assert samples[cancelled] == before + 1, "the request ran on after its client left"
