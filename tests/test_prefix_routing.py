@@ -110,28 +110,33 @@ def test_relay_passes_streams_and_errors_through(routed_server):
         assert http.get("/no/such/path").status_code == 404
 
 
-def replica_metrics(http: httpx.Client, replica: str) -> dict:
-    """/metrics of one replica: GET requests carry no prompt, so they land anywhere; ask until it answers."""
-    for _ in range(50):
+def replica_metrics(http: httpx.Client) -> dict[str, dict]:
+    """/metrics of both replicas. GET requests carry no prompt: they take the power of two choices
+    (the idle replica, or either when both are), so ask until both have answered."""
+    seen = {}
+    for _ in range(60):
         r = http.get("/metrics")
-        if r.headers["x-sala-replica"] == replica:
-            return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                    for f in text_string_to_metric_families(r.text) for s in f.samples}
-    raise AssertionError(f"replica {replica} never answered /metrics")
+        seen[r.headers["x-sala-replica"]] = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                             for f in text_string_to_metric_families(r.text) for s in f.samples}
+        if len(seen) == 2:
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"only {list(seen)} answered /metrics")
 
 
 def test_a_client_leaving_cancels_its_request_through_the_relay(routed_server):
     body = {"prompt": "The for statement", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
     cancelled = ("sala_finished_requests_total", (("reason", "cancelled"),))
+    running = ("sala_running_requests", ())
     with httpx.Client(base_url=routed_server, timeout=120) as http:
+        before = replica_metrics(http)
         with http.stream("POST", "/v1/completions", json=body) as r:
             replica = r.headers["x-sala-replica"]
-            before = replica_metrics(http, replica)[cancelled]
             assert any(line.startswith("data: ") for _, line in zip(range(4), r.iter_lines()))
-        for _ in range(100):
-            samples = replica_metrics(http, replica)
-            if samples[("sala_running_requests", ())] == 0:
+        for _ in range(50):
+            after = replica_metrics(http)
+            if all(m[running] == 0 for m in after.values()):
                 break
             time.sleep(0.1)
-        assert samples[("sala_running_requests", ())] == 0
-        assert samples[cancelled] == before + 1, "the request ran on after its client left"
+        assert after[replica][running] == 0
+        assert after[replica][cancelled] == before[replica][cancelled] + 1, "the request ran on after its client left"
