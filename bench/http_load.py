@@ -12,6 +12,7 @@ latency, errors, the replica's RSS before and after phase 1, and the throughput 
 """
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -32,6 +33,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(url: str | None, model_dir, **app_kwargs):
+    """The server to load: `url` when given, else tiny-sala's Serve app started here on local Ray
+    (one replica on one CPU and thread, beside the load generator) and stopped afterwards."""
+    if url is not None:
+        yield url
+        return
+    import ray
+    from ray import serve
+
+    from serve.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(str(model_dir), num_cpus=1, num_threads=1, **app_kwargs), name="sala", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 class Stats:
@@ -162,26 +187,8 @@ def main():
     args = ap.parse_args()
     model_dir = ensure_tiny_sala()
     prompts = [t[:200] for t in heldout_texts(model_dir) if len(t) > 50][:64]
-    url = args.url
-    if url is None:
-        import ray
-        from ray import serve
-
-        from serve.app import build_app
-
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(str(model_dir), served_model_name=MODEL, api_key=API_KEY, num_cpus=1, num_threads=1),
-                  name="sala", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-    try:
+    with served(args.url, model_dir, served_model_name=MODEL, api_key=API_KEY) as url:
         result = asyncio.run(run(url, args, prompts))
-    finally:
-        if args.url is None:
-            serve.shutdown()
-            ray.shutdown()
     c, s = result["concurrent"], result["sequential"]
     print(f"\nHTTP load on {url}: {args.clients} streaming clients for {args.duration:.0f}s, then sequential; "
           f"max_tokens={args.max_tokens}")

@@ -22,13 +22,12 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import time
 from collections import Counter
 
 import httpx
-from http_load import free_port, replica_rss  # bench/ is this script's sys.path[0]
+from http_load import replica_rss, served  # bench/ is this script's sys.path[0]
 
 from sala.tiny import ensure_tiny_sala, heldout_texts
 
@@ -232,26 +231,8 @@ def main():
     args = ap.parse_args()
     model_dir = ensure_tiny_sala()
     prompts = [t[:160] for t in heldout_texts(model_dir) if len(t) > 50][: args.prompts]
-    url = args.url
-    if url is None:
-        import ray
-        from ray import serve
-
-        from serve.app import build_app
-
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(str(model_dir), api_key=API_KEY, num_cpus=1, num_threads=1, deterministic=args.deterministic),
-                  name="sala", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-    try:
+    with served(args.url, model_dir, api_key=API_KEY, deterministic=args.deterministic) as url:
         result = asyncio.run(run(url, args, prompts))
-    finally:
-        if args.url is None:
-            serve.shutdown()
-            ray.shutdown()
     r = result
     print(f"\nsoak on {url}: {args.clients} streaming clients for {r['duration_s']:.0f} s, max_tokens={args.max_tokens}")
     print(f"  streams compared with their non-streamed answer: {r['streams_compared']}, mismatches: {r['mismatches']} "

@@ -3,6 +3,7 @@
 Triton kernels run on CPU through the interpreter; the variable must be set before anything
 imports triton, which is why it lives here and not in a fixture.
 """
+import contextlib
 import os
 import socket
 
@@ -134,21 +135,38 @@ def tokenizer(tiny_sala_dir):
     return AutoTokenizer.from_pretrained(tiny_sala_dir)
 
 
+@contextlib.contextmanager
+def ray_on_two_cpus():
+    """Local Ray sized for this 2-core machine, started here unless already up (then left to
+    whoever started it)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    with ray_on_two_cpus():
+        yield
+
+
 def serve_tiny_sala(model_dir, name: str, **app_kwargs):
     """Generator for a module fixture: the Serve app of `model_dir` on 127.0.0.1 at a free port
     (local Ray started here unless already up), yielding its URL; stopped by its own handles."""
-    import ray
     from ray import serve
 
     from serve.app import build_app
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(str(model_dir), num_cpus=0.5, num_threads=1, **app_kwargs), name=name, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    if started_ray:
-        ray.shutdown()
+    with ray_on_two_cpus():
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(str(model_dir), num_cpus=0.5, num_threads=1, **app_kwargs), name=name, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+        serve.shutdown()

@@ -17,18 +17,6 @@ from sala.tiny import heldout_texts
 from tests.conftest import cache_hf_dataset
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -42,7 +30,7 @@ def prompts(tiny_sala_dir, n):
     return [texts[i % len(texts)][: 30 + (i * 7) % 90] for i in range(n)]
 
 
-def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local_engine):
+def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, local_ray, mlflow_store, local_engine):
     rows = prompts(tiny_sala_dir, 200)
     lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(rows)]
     lines[57] = '{"id": 57, "prompt": "unterminated'
@@ -88,7 +76,7 @@ def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, ray_session, mlfl
     assert f"mlflow run {run.info.run_id}" in printed
 
 
-def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_store, local_engine):
+def test_parquet_messages_column(tiny_sala_dir, tmp_path, local_ray, mlflow_store, local_engine):
     import pyarrow as pa
 
     chats = [[{"role": "user", "content": q}] for q in ("What is a list?", "Explain json.", "Name a module.")]
@@ -106,7 +94,7 @@ def test_parquet_messages_column(tiny_sala_dir, tmp_path, ray_session, mlflow_st
     assert list(table["generated_text"]) == [c.text for c in expected]
 
 
-def test_dataset_dict_feeds_calibration_and_batch_generation(tiny_sala_dir, tmp_path, ray_session, mlflow_store,
+def test_dataset_dict_feeds_calibration_and_batch_generation(tiny_sala_dir, tmp_path, local_ray, mlflow_store,
                                                             local_engine, monkeypatch):
     """One DatasetDict saved with `datasets` (several shards, a chat column, a label column):
     its train split calibrates, and batch generation reads the split asked for, keeping the

@@ -9,18 +9,6 @@ from sala.checkpoint_files import verify_manifest
 from sala.kv.search import units
 
 
-@pytest.fixture
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def crashing(marker: Path):
     """measure_task, except that the first task measuring the first sparse layer in NVFP4 kills
     its worker process (as a lost node would); the marker file says it happened."""

@@ -541,7 +541,11 @@ def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
         snippet = snippet[:snippet.index("```")].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         py = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)
         print(f"python snippet: {py.stdout[:200]!r}")
-        assert py.returncode == 0 and py.stdout, py.stderr
+        # The model may answer with end-of-sequence at once (tiny-sala trained on another CPU
+        # differs); the stream must still end with a finish reason.
+        printed = re.fullmatch(r"(?s)(.*)\n\[finish_reason: (stop|length)\]\n", py.stdout)
+        assert py.returncode == 0 and printed, py.stdout + py.stderr
+        assert printed[2] == "stop" or printed[1].strip(), "64 tokens streamed and none printed"
         # The README's stop instruction, as the server printed it (with its dashboard's address
         # when that is not Ray's default).
         (readme_stop,) = [c for c in shell_commands(section, "RAY_AUTH_MODE=token")]
