@@ -84,13 +84,13 @@ def main() -> None:
 def across_replicas(args) -> None:
     import httpx
     import ray
+    from http_load import free_port  # bench/ is this script's sys.path[0]
     from ray import serve
 
     from sala.checkpoint import read_config
     from sala.engine.cache import kv_bytes_per_token, state_bytes_per_seq
     from sala.kv.plan import default_plan
     from serve.app import build_app
-    from tests.conftest import free_port
 
     path = ensure_tiny_sala()
     from transformers import AutoTokenizer
