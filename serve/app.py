@@ -691,6 +691,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                     help="compute every prompt in full instead of reusing cached prefixes (K/V pages, lightning-state snapshots)")
     ap.add_argument("--num-threads", type=int, help="torch threads in the replica (default: torch's choice)")
+    ap.add_argument("--num-replicas", type=int, default=1, help="engine replicas (default: %(default)s)")
+    ap.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",
+                    help="with several replicas, leave requests to Serve's power of two choices instead of sending "
+                         "those that share a prompt prefix to the replica caching it")
     ap.add_argument("--max-tokens-limit", type=int, default=1024,
                     help="largest max_tokens a request may ask for (default: %(default)s)")
     ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
@@ -700,6 +704,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.num_gpus < 0:
         ap.error("--num-gpus must be >= 0")
+    if args.num_replicas < 1:
+        ap.error("--num-replicas must be >= 1")
     return args
 
 
@@ -725,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus,
                         num_gpus=args.num_gpus, deterministic=args.deterministic, num_threads=args.num_threads,
                         max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
+                        num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
                         **({} if args.medusa is None else {"medusa": args.medusa}))
     except KVPlanError as e:
         print(f"error: --kv-plan: {e}", file=sys.stderr)
