@@ -2,17 +2,23 @@
 decode tokens/s with and without Medusa at batch 1, 4 and 16, measured in the same run.
 
     python pipelines/train_medusa.py                 # once: trains heads, prints the checkpoint
-    python bench/medusa.py [--model CKPT] [--uniform CKPT_TRAINED_WITH_--weighting_uniform]
+    python bench/medusa.py [--model CKPT] [--tree-nodes 63 15] [--uniform CKPT_TRAINED_WITH_--weighting_uniform]
 
-The baseline is the engine's own plain decode (compiled with inductor on CPU, CUDA graphs on
-GPU); Medusa's verify step runs eagerly. Greedy, ignore_eos, the same prompts for both. Mean
-accepted tokens per step counts the bonus token (plain decoding scores 1.00), as Spec-Bench.
-Step times are of steps with no prompt work in them. Last line: JSON.
+Both engines are the fast ones: plain decode compiled with inductor on CPU (CUDA graphs on
+GPU), Medusa's verify step compiled the same way on CPU (runner.CompiledTreeVerify); both are
+warmed up before anything is timed. Greedy, ignore_eos, the same prompts for both, run in
+waves of `batch` requests (each wave decoded to its end before the next starts). Mean accepted
+tokens per step counts the bonus token (plain decoding scores 1.00), as Spec-Bench; acceptance
+per depth is the share of verify steps that accepted a draft at that depth. Step times are of
+steps with no prompt work in them. `--tree-nodes` adds trees grown for other node budgets from
+the per-rank accuracy the training pipeline measured (a 63-node tree is 64 rows per request:
+on a CPU that is compute-bound, so a smaller tree can be faster). `--uniform`: accept length of
+the given heads against heads trained with `--weighting uniform`, on the validation windows the
+weighting matches, with each checkpoint's own tree and with Medusa's mc_sim_7b_63. Last line: JSON.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -24,6 +30,7 @@ if str(ROOT) not in sys.path:
 
 
 def held_out_prompts(tok, model_dir: Path, n: int, length: int = 32) -> list[list[int]]:
+    """n windows of `length` tokens spread evenly over the model's held-out text, BOS first."""
     from sala.tiny import heldout_texts
 
     stream = tok("\n\n".join(heldout_texts(model_dir)), verbose=False)["input_ids"]
@@ -31,29 +38,54 @@ def held_out_prompts(tok, model_dir: Path, n: int, length: int = 32) -> list[lis
     return [stream[:1] + stream[1 + i * step : 1 + i * step + length] for i in range(n)]
 
 
-def timed_generate(engine, prompts, max_tokens: int) -> dict:
+def validation_prompts(tok, model_dir: Path, n: int) -> list[list[int]]:
+    """n of the validation windows' prompts train_medusa.py weights against (heldout.txt rows, 2
+    windows each), spread evenly."""
+    from sala.eval.calibration import Row, guess_task
+    from sala.medusa import train
+    from sala.tiny import heldout_texts
+
+    rows = [Row(t, guess_task(t)) for t in heldout_texts(model_dir)]
+    _, prompts = train.windows(rows, tok, 32, 128, 2)
+    return prompts[:: max(1, len(prompts) // n)][:n]
+
+
+def run_waves(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+    """Decode `prompts` greedily in waves of `batch`; tokens/s over the whole run, the mean time
+    of steps with no prompt work, the outputs, and the Medusa counters of this run alone."""
     from sala.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    reqs = [engine.add_request(p, params) for p in prompts]
-    decode_time, decode_steps = 0.0, 0
-    start = time.perf_counter()
-    while engine.has_work():
-        pure = not engine.scheduler.waiting and all(not r.prefilling for r in engine.scheduler.running)
-        t0 = time.perf_counter()
-        engine.step()
-        if pure:
-            decode_time += time.perf_counter() - t0
-            decode_steps += 1
-    wall = time.perf_counter() - start
-    tokens = sum(len(r.output_ids) for r in reqs)
-    return {"tokens_per_s": tokens / wall, "step_ms": 1e3 * decode_time / max(decode_steps, 1),
-            "outputs": [r.output_ids for r in reqs]}
+    spec0 = engine.spec.copy() if engine.spec else None
+    decode_time, decode_steps, wall, outputs = 0.0, 0, 0.0, []
+    for i in range(0, len(prompts), batch):
+        reqs = [engine.add_request(p, params) for p in prompts[i : i + batch]]
+        start = time.perf_counter()
+        while engine.has_work():
+            pure = not engine.scheduler.waiting and all(not r.prefilling for r in engine.scheduler.running)
+            t0 = time.perf_counter()
+            engine.step()
+            if pure:
+                decode_time += time.perf_counter() - t0
+                decode_steps += 1
+        wall += time.perf_counter() - start
+        outputs += [r.output_ids for r in reqs]
+    out = {"tokens_per_s": sum(map(len, outputs)) / wall, "step_ms": 1e3 * decode_time / max(decode_steps, 1),
+           "outputs": outputs}
+    if spec0 is not None:
+        s = engine.spec
+        steps = s.verify_steps - spec0.verify_steps
+        out["accept_length"] = 1 + (s.accepted_tokens - spec0.accepted_tokens) / max(steps, 1)
+        out["acceptance_per_depth"] = [(a - b) / max(steps, 1) for a, b in
+                                       zip(s.accepted_per_depth, spec0.accepted_per_depth + [0] * len(s.accepted_per_depth))]
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint with medusa/ (default: the one pipelines/train_medusa.py writes for tiny-sala)")
+    ap.add_argument("--tree-nodes", type=int, nargs="*", default=[],
+                    help="also trees of these node budgets, grown from the checkpoint's measured per-rank accuracy")
     ap.add_argument("--uniform", help="the same heads trained with --weighting uniform, to compare accept length")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -64,6 +96,7 @@ def main(argv=None) -> int:
     from sala.checkpoint import load_model
     from sala.engine import Engine
     from sala.medusa.heads import has_medusa, load_heads
+    from sala.medusa.tree import MC_SIM_7B_63, greedy_tree
     from sala.tiny import ensure_tiny_sala, sala_home
 
     torch.set_num_threads(1)
@@ -71,42 +104,56 @@ def main(argv=None) -> int:
     if not has_medusa(path):
         print(f"error: {path} has no medusa/ heads; run python pipelines/train_medusa.py first", file=sys.stderr)
         return 2
-    engine_plain = Engine.from_pretrained(path, medusa=False, device="cpu" if not torch.cuda.is_available() else None)
-    tok, base = engine_plain.tokenizer, engine_plain.model
-    heads = load_heads(path, base.config)
+    device = None if torch.cuda.is_available() else "cpu"
+    plain = Engine.from_pretrained(path, medusa=False, device=device, max_seqs=max(args.batch))
+    tok, config = plain.tokenizer, plain.model.config
+    heads = load_heads(path, config)
+    trees = {f"{heads.tree.num_nodes - 1} nodes (checkpoint's)": heads}
+    for n in args.tree_nodes:
+        if not heads.config.rank_accuracy:
+            print(f"error: {path} records no per-rank accuracy to grow a {n}-node tree from (retrain with "
+                  "pipelines/train_medusa.py)", file=sys.stderr)
+            return 2
+        trees[f"{n} nodes"] = load_heads(path, config, tree=greedy_tree(torch.tensor(heads.config.rank_accuracy), n))
     prompts = held_out_prompts(tok, ensure_tiny_sala(progress=False), args.prompts)
+    t0 = time.perf_counter()
+    plain.warmup()
+    engines = {}
+    for name, h in trees.items():
+        engines[name] = Engine(load_model(path, device=device), tok, max_seqs=max(args.batch), medusa=h)
+        engines[name].warmup()
+    print(f"compiled the plain decode and {len(engines)} tree-verify step(s) in {time.perf_counter() - t0:.0f} s", flush=True)
     results, lossless = {}, True
     for b in args.batch:
-        plain = Engine(copy.deepcopy(load_model(path)), tok, max_seqs=b)
-        plain.warmup()
-        spec_engine = Engine(copy.deepcopy(load_model(path)), tok, max_seqs=b, medusa=copy.deepcopy(heads))
-        ps = (prompts * -(-b // len(prompts)))[: max(b, len(prompts))]
-        p = timed_generate(plain, ps, args.max_tokens)
-        m = timed_generate(spec_engine, ps, args.max_tokens)
-        lossless &= p["outputs"] == m["outputs"]
-        st = spec_engine.spec
-        results[b] = {"plain_tokens_per_s": p["tokens_per_s"], "medusa_tokens_per_s": m["tokens_per_s"],
-                      "speedup": m["tokens_per_s"] / p["tokens_per_s"], "plain_step_ms": p["step_ms"],
-                      "verify_step_ms": m["step_ms"], "verify_over_decode": m["step_ms"] / p["step_ms"],
-                      "accept_length": st.accept_length,
-                      "acceptance_per_depth": [a / st.verify_steps for a in st.accepted_per_depth]}
-        r = results[b]
-        print(f"batch {b:>2}: {r['medusa_tokens_per_s']:.0f} vs {r['plain_tokens_per_s']:.0f} tokens/s = {r['speedup']:.2f}x; "
-              f"accept length {r['accept_length']:.2f}; verify step {r['verify_step_ms']:.1f} ms / decode step "
-              f"{r['plain_step_ms']:.1f} ms = {r['verify_over_decode']:.2f}x; acceptance per depth "
-              + " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]), flush=True)
-    out = {"bench": "medusa", "model": str(path), "tree_nodes": heads.tree.num_nodes - 1, "prompts": len(prompts),
-           "max_tokens": args.max_tokens, "greedy_identical": lossless, "by_batch": results}
+        p = run_waves(plain, prompts, b, args.max_tokens)
+        results[b] = {"plain_tokens_per_s": p["tokens_per_s"], "plain_step_ms": p["step_ms"], "trees": {}}
+        for name, engine in engines.items():
+            m = run_waves(engine, prompts, b, args.max_tokens)
+            lossless &= p["outputs"] == m["outputs"]
+            r = results[b]["trees"][name] = {
+                "medusa_tokens_per_s": m["tokens_per_s"], "speedup": m["tokens_per_s"] / p["tokens_per_s"],
+                "verify_step_ms": m["step_ms"], "verify_over_decode": m["step_ms"] / p["step_ms"],
+                "accept_length": m["accept_length"], "acceptance_per_depth": m["acceptance_per_depth"]}
+            print(f"batch {b:>2}, tree {name}: {r['medusa_tokens_per_s']:.0f} vs {p['tokens_per_s']:.0f} tokens/s = "
+                  f"{r['speedup']:.2f}x; accept length {r['accept_length']:.2f}; verify step {r['verify_step_ms']:.1f} ms "
+                  f"/ decode step {p['step_ms']:.1f} ms = {r['verify_over_decode']:.2f}x; acceptance per depth "
+                  + " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]), flush=True)
+    out = {"bench": "medusa", "model": str(path), "prompts": len(prompts), "max_tokens": args.max_tokens,
+           "greedy_identical": lossless, "by_batch": results}
     if args.uniform:
         from sala.medusa.train import accept_length
 
-        lengths = {}
+        val = validation_prompts(tok, ensure_tiny_sala(progress=False), 32)
+        compared = {}
         for name, ckpt in (("matched", path), ("uniform", Path(args.uniform))):
-            e = Engine(load_model(path), tok, medusa=load_heads(ckpt, base.config), compile=False)
-            lengths[name] = accept_length(e, prompts, args.max_tokens)
-        out["accept_length_matched"], out["accept_length_uniform"] = lengths["matched"], lengths["uniform"]
-        print(f"validation-matched vs uniform training rows: accept length {lengths['matched']:.2f} vs "
-              f"{lengths['uniform']:.2f} = {lengths['matched'] / lengths['uniform']:.2f}x")
+            for tree_name, tree in (("own tree", None), ("mc_sim_7b_63", MC_SIM_7B_63)):
+                e = Engine(load_model(path), tok, medusa=load_heads(ckpt, config, tree=tree), compile=False)
+                compared[f"{name}, {tree_name}"] = accept_length(e, val, args.max_tokens)
+        out["validation_accept_length"] = compared
+        for tree_name in ("own tree", "mc_sim_7b_63"):
+            a, u = compared[f"matched, {tree_name}"], compared[f"uniform, {tree_name}"]
+            print(f"validation-matched vs uniform training rows ({tree_name}, {len(val)} validation windows): "
+                  f"accept length {a:.2f} vs {u:.2f} = {a / u:.2f}x", flush=True)
     print(f"greedy outputs identical with and without Medusa: {lossless}")
     print(json.dumps(out))
     return 0

@@ -8,8 +8,9 @@ Data: `--train-data` rows (any dataset calibration reads; default: the built-in 
 prose, Q&A, code and lists) cut into windows; with self-distillation (default) Ray Data shards
 the windows' prompts over engine actors (`--replicas`) that write the model's own
 continuations, `--given-text` trains on the text itself. `--weighting matched` (default)
-draws training rows so their (task type, length) mix matches `--val-data`'s (default: the
-model's held-out text, else a tenth of the training rows held out); `uniform` draws all alike.
+draws training windows so their (task type, length) mix matches that of the windows of
+`--val-data` (default: the model's held-out text, else a tenth of the training rows held out)
+that accept length is measured on; `uniform` draws all alike.
 
 The tree: `--tree-nodes N` grows one greedily from the heads' per-rank accuracy measured on the
 validation windows (Medusa's tree search), `--tree mc_sim_7b_63` keeps Medusa's default.
@@ -57,7 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--topk", type=int, default=10, help="ranks per head the tree may use")
     ap.add_argument("--tree-nodes", type=int, default=63, help="grow a tree of this many nodes from measured accuracy")
     ap.add_argument("--tree", choices=["mc_sim_7b_63"], help="use this fixed tree instead")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--checkpoint-every", type=int, default=50, help="steps between saved training states")
@@ -130,8 +131,8 @@ def plot_accuracy(history: list[dict], num_heads: int, path: Path) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pipelines.raycluster import RayUnavailable, init_ray
-    from pipelines.registry import ModelSpecError, resolve_model_path
-    from pipelines.tracking import TrackingError, setup_mlflow
+    from registry.models import ModelSpecError, resolve_model_path
+    from registry.tracking import TrackingError, setup_mlflow
     from sala.checkpoint import CheckpointError, DeviceUnavailable, gpu_device
     from sala.eval.calibration import DatasetError
     from sala.tiny import sala_home
@@ -200,7 +201,10 @@ def run(args, model_path: Path, output: Path) -> int:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         print(f"encoding {len(seqs)} training and {len(val_seqs)} validation windows through the frozen backbone", flush=True)
         encoded, val_encoded = train.encode(model, seqs, pad), train.encode(model, val_seqs, pad)
-        weights = train.row_weights(seqs, val_rows, args.weighting)
+        weights = train.row_weights(seqs, val_seqs, args.weighting)
+        effective = train.effective_rows(weights, len(seqs))
+        mlflow.log_metric("effective_train_windows", effective)
+        print(f"{args.weighting} weighting: an effective {effective:.0f} of {len(seqs)} training windows", flush=True)
         cfg = train.TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, checkpoint_every=args.checkpoint_every)
         heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, args.num_heads, args.num_layers,
                                          args.shared_lm_head, args.topk), model.lm_head)
@@ -219,11 +223,12 @@ def run(args, model_path: Path, output: Path) -> int:
                                     cfg, state_dir, on_step)
         val = train.evaluate(heads, model, val_encoded)
         tree = [list(p) for p in MC_SIM_7B_63] if args.tree else greedy_tree(torch.tensor(val["rank_accuracy"]), args.tree_nodes)
-        heads.config.tree = tree
+        heads.config.tree, heads.config.rank_accuracy = tree, val["rank_accuracy"]
         heads.tree = heads.config.build_tree()
         engine = Engine(load_model(model_path), tok, medusa=heads, compile=False)
         accept = train.accept_length(engine, val_prompts[:32], 48)
         metrics = {"accept_length": accept, "tree_nodes": len(tree), "seconds": time.perf_counter() - start,
+                   "effective_train_windows": effective,
                    **{f"val_loss_{k}": v for k, v in enumerate(val["loss"])},
                    **{f"val_top1_{k}": v for k, v in enumerate(val["top1"])},
                    **{f"val_top5_{k}": v for k, v in enumerate(val["top5"])},

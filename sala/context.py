@@ -55,7 +55,9 @@ class TreeStep:
     kv_rows: torch.Tensor  # [R, W] pool rows of each request's committed positions, padded with the scratch row
     kv_lens: torch.Tensor  # [R] committed tokens
     state_slots: torch.Tensor  # [R]
-    saved: dict = field(default_factory=dict)  # layer -> the tree's (k, v), filled by the forward for commit_tree
+    saved: dict = field(default_factory=dict)  # layer -> what commit_tree needs ((k, v), or node states), filled by the forward
+    parents: torch.Tensor | None = None  # [T]
+    levels: list[list[int]] | None = None  # node indices at each depth
 
     @property
     def num_nodes(self) -> int:

@@ -8,7 +8,9 @@ every later node. Forms (shapes as in sala/lightning.py, T tree nodes in BFS ord
   difference on the ancestor mask plus the committed-state term; no per-node state. The
   engine's verify path.
 - `tree_scan`: the depth-wise parent-index scan: all nodes of one depth at once from their
-  parents' states (max_depth + 1 steps); returns every node's state. The cross-check.
+  parents' states (max_depth + 1 steps); returns every node's state. The cross-check, and the
+  engine's verify path for a layer whose cache keeps BF16 states (rounded node by node as
+  plain decoding rounds them token by token; the commit then takes the last accepted node's).
 - `path_recurrent`: the plain recurrence run along each root-to-leaf path (retrieve_indices
   rows) from S. The test oracle.
 
@@ -26,18 +28,28 @@ from sala import lightning
 tree_parallel = lightning_tree_verify
 
 
-def tree_scan(q, k, v, g, scale: float, state, parents: torch.Tensor, depths: torch.Tensor):
-    """Returns (o [B, H, T, Dv], node states [B, H, T, Dk, Dv])."""
+def tree_scan(q, k, v, g, scale: float, state, parents: torch.Tensor, depths: torch.Tensor,
+              state_dtype: torch.dtype | None = None, levels: list[list[int]] | None = None):
+    """Returns (o [B, H, T, Dv], node states [B, H, T, Dk, Dv]).
+
+    `state_dtype`: the dtype the cache keeps states in, when it is narrower than fp32. Plain
+    decoding rounds the state to it after every token (each token's output uses the unrounded
+    state), so here each node's state is rounded before its children read it: then every node
+    sees what decoding its path token by token would, which the closed-form commit (one rounding
+    per verify step) does not give. `levels`: the node indices of each depth, when known in
+    advance (a compiled step cannot read them from `depths`)."""
     b, h, t, dk = q.shape
     a = torch.exp(g).view(1, -1, 1, 1, 1)
     states = q.new_zeros(b, h, t, dk, v.shape[-1])
     prev = torch.cat([state[:, :, None], states], dim=2)  # index 0: the committed state, node i at i + 1
-    for d in range(int(depths.max()) + 1):
-        nodes = (depths == d).nonzero()[:, 0]
+    if levels is None:
+        levels = [(depths == d).nonzero()[:, 0].tolist() for d in range(int(depths.max()) + 1)]
+    for level in levels:
+        nodes = torch.tensor(level, device=q.device)
         parent_states = prev[:, :, parents[nodes] + 1]  # the root's parent (-1) reads the committed state
         new = a * parent_states + k[:, :, nodes, :, None] * v[:, :, nodes, None, :]
         states[:, :, nodes] = new
-        prev[:, :, nodes + 1] = new
+        prev[:, :, nodes + 1] = new if state_dtype is None else new.to(state_dtype).float()
     o = torch.einsum("bhtd,bhtde->bhte", q * scale, states)
     return o, states
 

@@ -441,9 +441,14 @@ class LightningAttention(QKVOProjections):
         outs = []
         if tree := ctx.tree:  # read the slots' states, never write them (commit_tree does)
             qt, kt, vt = (x[0, :, : tree.num_rows].unflatten(1, (tree.num_requests, -1)).transpose(0, 1) for x in (q, k, v))
-            tree.saved[self.layer_idx] = (kt, vt)
-            o = lightning_tree.tree_parallel(qt, kt, vt, g, self.scale, states.index_select(0, tree.state_slots).float(),
-                                             tree.depths, tree.ancestor_mask)
+            committed = states.index_select(0, tree.state_slots).float()
+            if states.dtype == torch.float32:
+                tree.saved[self.layer_idx] = (kt, vt)
+                o = lightning_tree.tree_parallel(qt, kt, vt, g, self.scale, committed, tree.depths, tree.ancestor_mask)
+            else:  # states rounded node by node, as decoding rounds them token by token (lightning_tree.tree_scan)
+                o, node_states = lightning_tree.tree_scan(qt, kt, vt, g, self.scale, committed, tree.parents, tree.depths,
+                                                          states.dtype, tree.levels)
+                tree.saved[self.layer_idx] = (node_states,)
             outs.append(o.transpose(0, 1).flatten(1, 2))
         nd = ctx.num_decode
         if nd:
@@ -473,11 +478,17 @@ class LightningAttention(QKVOProjections):
 
     def commit_tree(self, ctx, paths: torch.Tensor, lengths: torch.Tensor) -> None:
         """Advance each request's state along its accepted path (paths [R, P] node indices, root
-        first; lengths [R] nodes accepted) in closed form."""
-        kt, vt = ctx.tree.saved.pop(self.layer_idx)
+        first; lengths [R] nodes accepted): in closed form, or, for a BF16-state layer, to the
+        last accepted node's state from the verify's scan."""
+        saved = ctx.tree.saved.pop(self.layer_idx)
         states, slots = ctx.cache.states[self.layer_idx], ctx.tree.state_slots
-        g = self.consts.get("log_decay", kt.device)
-        new = lightning_tree.commit_path(kt, vt, g, states.index_select(0, slots).float(), paths, lengths)
+        if len(saved) == 1:  # every node's state (a BF16-state layer): the last accepted node's
+            last = paths.gather(1, (lengths - 1)[:, None])[:, 0]
+            new = saved[0][torch.arange(paths.shape[0], device=paths.device), :, last]
+        else:
+            kt, vt = saved
+            g = self.consts.get("log_decay", kt.device)
+            new = lightning_tree.commit_path(kt, vt, g, states.index_select(0, slots).float(), paths, lengths)
         states.index_copy_(0, slots, new.to(states.dtype))
 
 

@@ -77,3 +77,30 @@ def test_scan_states_and_commit_match_sequential_states(problem):
     assert err_scan < TOL and err_commit < TOL
     # Siblings' states differ, so a commit that took the wrong node would be caught.
     assert (states[1] - states[2]).abs().max() > 1e-1
+
+
+def test_scan_with_bf16_states_matches_decoding_each_path_token_by_token(problem):
+    """A cache keeping BF16 states: decoding rounds the state after every token, so the scan
+    rounds each node's state before its children read it. Oracle: lightning.step along every
+    path with the state stored as BF16 between tokens. The closed-form commit (one rounding per
+    verify step) is the variant that must fail."""
+    tree, args, _, _ = problem
+    q, k, v, g, scale, state = args
+    start = state.to(torch.bfloat16).float()
+    outs, stored = {}, {}
+    for row in tree.retrieve_indices.tolist():
+        s = start
+        for node in (i for i in row if i >= 0):
+            o, s = lightning.step(q[:, :, node], k[:, :, node], v[:, :, node], g, scale, s)
+            s = s.to(torch.bfloat16).float()
+            outs.setdefault(node, o)
+            stored.setdefault(node, s)
+    o, node_states = tree_scan(q, k, v, g, scale, start, tree.parents, tree.depths, torch.bfloat16, tree.levels)
+    err_out = max_err(o, outs)
+    err_state = max((node_states[:, :, n].to(torch.bfloat16).float() - s).abs().max().item() for n, s in stored.items())
+    paths, lengths = tree.retrieve_indices[:1].expand(2, -1), torch.tensor([tree.max_depth + 1] * 2)
+    deepest = tree.retrieve_indices[0, -1].item()
+    err_closed = (commit_path(k, v, g, start, paths, lengths).to(torch.bfloat16).float() - stored[deepest]).abs().max().item()
+    print(f"bf16 states: scan outputs {err_out:.2e}, stored states {err_state:.2e}; closed-form commit {err_closed:.2e}")
+    assert err_out < TOL and err_state == 0.0  # measured: 0 and 0 (the same elementwise ops)
+    assert err_closed > 1e-3  # one rounding instead of one per token: another state

@@ -1,5 +1,6 @@
 """Medusa in the engine on tiny-sala: greedy decoding with tree verify equals greedy decoding
-without it token for token (the lossless property), and verify never writes the pools.
+without it token for token (the lossless property; also under a mixed cache plan, and with the
+verify step compiled), and verify never writes the pools.
 
 BF16 logits come out of a BF16 lm_head, so two tokens can have exactly the same logit; argmax
 then takes the lower id, and a verify step whose hidden state differs from the decode step's in
@@ -13,6 +14,7 @@ import torch
 
 from sala.checkpoint import load_model
 from sala.engine import Engine, SamplingParams
+from sala.kv.plan import KVPlan
 from sala.medusa.heads import load_heads
 from sala.tiny import heldout_texts
 from tests.test_engine import nvfp4_model
@@ -42,17 +44,27 @@ def prompts(tiny_sala_dir, base):
     return [stream[:1] + stream[7 + 131 * i : 15 + 131 * i + (5 * i) % 32] for i in range(N_PROMPTS)]
 
 
-@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sala_dir, weights, batch):
+def mixed_plan(config) -> KVPlan:
+    """Sparse layers in FP8, NVFP4 and BF16 K/V; two lightning layers keeping BF16 states."""
+    first, second, *_ = config.sparse_layers
+    return KVPlan.uniform(config).with_units({first: "fp8", second: "nvfp4"},
+                                             {i: "bf16" for i in config.lightning_layers[::2]})
+
+
+# Every weight type at both batch sizes, and each weight type under a mixed cache plan (at the
+# batch size the other does not take: the cross of all three would double the test's time).
+@pytest.mark.parametrize("weights, batch, plan", [("bf16", 1, None), ("bf16", 4, None), ("nvfp4", 1, None),
+                                                  ("nvfp4", 4, None), ("bf16", 4, "mixed"), ("nvfp4", 1, "mixed")])
+def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sala_dir, weights, batch, plan):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     model = copy.deepcopy(base).to(torch.bfloat16) if weights == "bf16" else nvfp4_model(base)
+    kv_plan = mixed_plan(base.config) if plan else None
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
-    plain = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False).generate(
+    plain = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False, kv_plan=kv_plan).generate(
         prompts, SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=2))
-    engine = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False, medusa=copy.deepcopy(heads))
+    engine = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False, kv_plan=kv_plan, medusa=copy.deepcopy(heads))
     spec = engine.generate(prompts, params)
     same = sum(a.token_ids == b.token_ids for a, b in zip(plain, spec))
     ties = 0
@@ -63,7 +75,7 @@ def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sal
             assert weights == "bf16" and first == second, f"diverged at token {j} without a tie: {a.logprobs[j].top}"
             ties += 1
     stats = engine.spec
-    print(f"{weights} batch {batch}: {same}/{len(prompts)} identical ({ties} diverge at an exact BF16 tie), "
+    print(f"{weights} batch {batch} plan {plan}: {same}/{len(prompts)} identical ({ties} diverge at an exact BF16 tie), "
           f"accept length {stats.accept_length:.2f} over {stats.verify_steps} verify steps")
     assert ties <= 2
     assert all(len(c.token_ids) == N_NEW for c in spec)
@@ -128,3 +140,24 @@ def test_sampling_with_typical_acceptance_is_seeded_and_mixes_with_greedy(base, 
     assert all(len(c.token_ids) == 12 for c in runs[0])
     plain = Engine(copy.deepcopy(base), tok, compile=False).generate(prompts[1:2], params[1])
     assert runs[0][1].token_ids == plain[0].token_ids  # the greedy request beside a sampled one stays lossless
+
+
+def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sala_dir):
+    """On CPU the verify step runs compiled (runner.CompiledTreeVerify: one graph for a single
+    request's tree, one for several); its greedy output is plain greedy's, at one and two requests
+    a step, and the graphs really ran."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    plain = Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False).generate(prompts[:6], params)
+    engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads))
+    engine.warmup()
+    fast = engine.runner.fast_tree
+    assert fast.compiled and not fast.failed, "the compiled verify step did not run"
+    calls = []
+    fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)
+    single = engine.generate(prompts[:1], params)
+    pair = engine.generate(prompts[1:6], params)
+    assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]
+    assert {1, 2} <= set(calls) and engine.spec.accept_length > 1.3

@@ -194,7 +194,10 @@ class Engine:
         """Compile (CPU) or capture (CUDA) the decode step now, not on the first request; servers
         and batch jobs call this at start-up. A no-op for the eager and evaluation modes."""
         if self.runner.fast_decode is not None:
-            self.generate([[self.config.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            prompt = [self.config.bos_token_id or 0]
+            # Medusa: verify steps of one request and of several are two graphs (see CompiledTreeVerify).
+            for n in (1, 2) if self.runner.fast_tree is not None and self.cache.plan.max_seqs > 1 else (1,):
+                self.generate([prompt] * n, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

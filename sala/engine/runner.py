@@ -11,7 +11,10 @@ num_computed + depth, in a TreeStep context (sala/context.py); all T rows' logit
 Decode-only steps take a fast path: on CPU the step is compiled with inductor (`compile=True`,
 dynamic batch size and page count); on CUDA it is replayed from CUDA graphs captured at
 bucketed batch sizes over persistent input buffers (padding rows write the scratch page and
-state slot). Steps that carry prompt chunks run eagerly through the same forward.
+state slot). Tree-verify steps with no prompt chunk are compiled the same way on CPU (dynamic
+request count and committed length; the tree's shape is fixed per engine), so a verify step
+competes with a compiled decode step, not an eager one. Steps that carry prompt chunks run
+eagerly through the same forward.
 
 Batch invariance (engine.md, Determinism) is a mode, `batch_invariant=True`: a request's logits
 must not depend on what else shares its step, nor on where its prompt was cut into chunks.
@@ -73,9 +76,11 @@ class ModelRunner:
         self.device = cache.device
         self.tree = tree  # a MedusaTree on the device: decodes are tree verifies
         self.compile_seconds: float | None = None
-        self.fast_decode = None
+        self.fast_decode = self.fast_tree = None
         if compile and not batch_invariant:
             self.fast_decode = CudaGraphDecode(self, max_decode_batch) if self.device.type == "cuda" else CompiledDecode(self)
+            if tree is not None and self.device.type == "cpu":
+                self.fast_tree = CompiledTreeVerify(self)
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, sched: Schedule) -> tuple[torch.Tensor, StepContext, list[int], StepRows]:
@@ -110,7 +115,7 @@ class ModelRunner:
             kv_rows[i, : r.num_computed] = cache.rows(r, 0, r.num_computed)
         ctx = StepContext(cache, None, None, batch_invariant=self.batch_invariant)
         ctx.tree = TreeStep(len(dec), tree.depths, tree.ancestor_mask, kv_rows, computed,
-                            torch.tensor([r.state_slot for r in dec], device=dev))
+                            torch.tensor([r.state_slot for r in dec], device=dev), parents=tree.parents, levels=tree.levels)
         rows = StepRows([], [], list(dec), tokens, ctx)
         ids = tokens.flatten().tolist()
         pos = (computed[:, None] + tree.depths).flatten().tolist()
@@ -168,6 +173,11 @@ class ModelRunner:
                 return rows, logits
         if self.tree is None:
             return rows, self.forward(ids, ctx, logit_rows)
+        if self.fast_tree is not None and ctx.tree is not None and not ctx.prefills:
+            out = self.fast_tree(ids, ctx)
+            if out is not None:
+                rows.hidden, logits = out
+                return rows, logits
         rows.hidden = self.heads_input(ids, ctx, logit_rows)
         return rows, self.model.lm_head(rows.hidden).float()  # = model.logits of the undivided hidden
 
@@ -192,30 +202,65 @@ class ModelRunner:
         return self.model.logits(hidden)
 
 
-class CompiledDecode:
-    """The decode-only step through torch.compile (inductor). Batch size and page-table width
-    are dynamic, so one graph covers every step. If compiling fails (no C++ compiler,
-    an unsupported op) the engine says so once and stays eager."""
+class CompiledStep:
+    """A step function through torch.compile (inductor), dynamic shapes, C++ launcher
+    (cpp_wrapper: measured ~20% off a batch-8 step). After the first call compiled, guards are
+    not evaluated (skip_guard_eval_unsafe: over a hundred parameter and pool tensors, ~0.5 ms a
+    step): subclasses pad inputs so that one graph serves every step. If compiling fails (no C++
+    compiler, an unsupported op) the engine says so once and stays eager."""
 
-    # A batch of one is run as two (the extra row writes only scratch) and page tables are at
-    # least two wide: inductor specialises size-1 dimensions, which would mean more graphs, and
-    # lays a size-1 batch out with stride 0, which sends every GEMM to a slow non-BLAS path.
-    # With both, one graph serves every decode step, so after the first call its guards
-    # (over a hundred parameter and pool tensors, ~0.5 ms a step) need not be evaluated.
+    # Inductor specialises size-1 dimensions (more graphs) and lays a size-1 batch out with
+    # stride 0, which sends every GEMM to a slow non-BLAS path: batches and page tables are
+    # padded to at least two (the extra rows read and write only scratch).
     MIN_ROWS = MIN_WIDTH = 2
+    what = "the decode step"
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        # cpp_wrapper: the graph's launcher in C++ rather than Python (measured ~20% off a batch-8 step).
         self.fn = torch.compile(self._step, dynamic=True, options={"cpp_wrapper": True})
         self.failed = False
+        self.compiled = False
+
+    def _step(self, *inputs):
+        raise NotImplementedError
+
+    def _run(self, inputs: list[torch.Tensor]):
+        if self.failed:
+            return None
+        for t in inputs:  # else a width equal to some static size (kv heads: 2) is specialised on
+            if t.shape[0] > 1:
+                torch._dynamo.mark_dynamic(t, 0)
+        if self.compiled:
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return self.fn(*inputs)
+            except RuntimeError:  # a graph that has to be recompiled: raised before anything ran
+                pass
+        t0 = time.perf_counter()
+        try:
+            out = self.fn(*inputs)
+        except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
+            self.failed = True
+            log.warning("compiling %s failed, running eager: %s", self.what,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        if not self.compiled:
+            self.compiled = True
+            seconds = time.perf_counter() - t0
+            self.runner.compile_seconds = (self.runner.compile_seconds or 0.0) + seconds
+            log.info("compiled %s in %.1f s", self.what, seconds)
+        return out
+
+
+class CompiledDecode(CompiledStep):
+    """The decode-only step: batch size and page-table width dynamic, one graph for every step."""
 
     def _step(self, ids, positions, slot_mapping, block_tables, context_lens, state_slots):
         ctx = StepContext(self.runner.cache, positions, slot_mapping, num_decode=ids.shape[0], block_tables=block_tables,
                           context_lens=context_lens, state_slots=state_slots)
         return self.runner.forward(ids, ctx)
 
-    def _inputs(self, ids: torch.Tensor, ctx: StepContext) -> list[torch.Tensor]:
+    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         c = self.runner.cache
         inputs = decode_inputs(ctx, ids)
         tables = inputs[3]
@@ -224,32 +269,50 @@ class CompiledDecode:
         extra = self.MIN_ROWS - ids.shape[0]
         if extra > 0:
             inputs = [torch.cat([t, t.new_full((extra, *t.shape[1:]), v)]) for t, v in zip(inputs, padding_values(c))]
-        for t in inputs:  # else a width equal to some static size (kv heads: 2) is specialised on
-            torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(inputs[3], 1)
-        return inputs
+        logits = self._run(inputs)
+        return None if logits is None else logits[: ids.shape[0]]
 
-    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
-        if self.failed:
+
+class CompiledTreeVerify(CompiledStep):
+    """A tree-verify step with no prompt chunk: request count and committed width dynamic, the
+    tree (depths, ancestor mask) fixed, so one graph serves every verify step. Returns the
+    heads' input and the fp32 logits of every tree row; the tree's K/V that commit_tree needs
+    come back as outputs and are put in the eager context's `tree.saved`."""
+
+    what = "the tree-verify step"
+
+    def __init__(self, runner: ModelRunner):
+        super().__init__(runner)
+        self.levels = runner.tree.levels  # computed once: the tree is fixed
+    # A single request's tree is still T rows to every GEMM, so it is not padded to two (which
+    # would double a compute-bound step): it gets its own graph, with every shape but the
+    # committed width static.
+    MIN_ROWS = 1
+
+    def _step(self, ids, positions, kv_rows, kv_lens, state_slots):
+        runner, tree = self.runner, self.runner.tree
+        ctx = StepContext(runner.cache, positions.flatten(), torch.full_like(positions.flatten(), runner.cache.scratch_row))
+        ctx.tree = TreeStep(ids.shape[0], tree.depths, tree.ancestor_mask, kv_rows, kv_lens, state_slots,
+                            parents=tree.parents, levels=self.levels)
+        hidden = runner.model.model(ids.flatten()[None], context=ctx)[0] / runner.model.config.logit_divisor
+        return hidden, runner.model.lm_head(hidden).float(), [ctx.tree.saved[i] for i in sorted(ctx.tree.saved)]
+
+    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        c, tree = self.runner.cache, ctx.tree
+        r, t = tree.num_requests, tree.num_nodes
+        kv_rows = tree.kv_rows
+        if kv_rows.shape[1] < self.MIN_WIDTH:
+            kv_rows = torch.cat([kv_rows, kv_rows.new_full((r, self.MIN_WIDTH - kv_rows.shape[1]), c.scratch_row)], 1)
+        inputs = [ids.view(r, t), ctx.positions.view(r, t), kv_rows, tree.kv_lens, tree.state_slots]
+        torch._dynamo.mark_dynamic(inputs[2], 1)
+        out = self._run(inputs)
+        if out is None:
             return None
-        inputs = self._inputs(ids, ctx)
-        if self.runner.compile_seconds is not None:
-            try:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self.fn(*inputs)[: ids.shape[0]]
-            except RuntimeError:  # a graph that has to be recompiled: raised before anything ran
-                pass
-        t0 = time.perf_counter()
-        try:
-            logits = self.fn(*inputs)
-        except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
-            self.failed = True
-            log.warning("compiling the decode step failed, running eager: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return None
-        if self.runner.compile_seconds is None:
-            self.runner.compile_seconds = time.perf_counter() - t0
-            log.info("compiled the decode step in %.1f s", self.runner.compile_seconds)
-        return logits[: ids.shape[0]]
+        hidden, logits, saved = out
+        for layer, kept in enumerate(saved):  # every layer saves what its commit needs, in layer order
+            tree.saved[layer] = tuple(x[:r] for x in kept)
+        return hidden[: r * t], logits[: r * t]
 
 
 class CudaGraphDecode:

@@ -39,6 +39,9 @@ class MedusaConfig:
     topk: int = 10
     tree: list[list[int]] = field(default_factory=lambda: [list(p) for p in MC_SIM_7B_63])
     max_tree_nodes: int = 256
+    # accuracy [head][rank] measured on validation windows (train.evaluate), so a tree for
+    # another node budget can be grown from it (tree.greedy_tree); empty when not measured
+    rank_accuracy: list[list[float]] = field(default_factory=list)
 
     def build_tree(self) -> MedusaTree:
         return build_tree(self.tree, self.topk, self.num_heads, self.max_tree_nodes)

@@ -9,10 +9,11 @@ Loss: head k (0-based) at position t is trained to predict token t + k + 2, weig
 decay^(k+1) (0.8^k for head k = 1..K in the paper's numbering): far heads are harder and
 matter less, since they only count once every nearer head was right.
 
-Validation-matched weighting: training rows are drawn with weight p_val(bucket) / p_train(bucket)
-over buckets of (task type, length bin), the length bins cut at the validation set's length
-quartiles (from calibration.analyse), so the training mix matches the validation mix the heads
-will be judged on instead of whatever the source happens to hold.
+Validation-matched weighting: training windows are drawn with weight p_val(bucket) / p_train(bucket)
+over buckets of (task type, length bin of the source row), the length bins cut at the
+validation windows' p10 / p50 / p90, so the training mix matches the mix of the validation
+windows the heads will be judged on instead of whatever the source happens to hold; a bucket
+too thin to stand for its share falls back to task type alone (matched_weights).
 
 The backbone is frozen, so it runs once per row under no_grad (`encode`) and its hidden states
 are kept (rows x seq_len x hidden fp32: 40 MB for tiny-sala's 600 windows, so a large model
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from sala.eval.calibration import Row, analyse
+from sala.eval.calibration import Row
 from sala.medusa.heads import MedusaHeads
 
 
@@ -78,29 +80,56 @@ def self_distilled(seqs: list[Sequence], continuations: list[list[int]], prompt_
     return [Sequence(s.ids[:prompt_len] + list(c), s.task, s.chars) for s, c in zip(seqs, continuations)]
 
 
-def length_edges(val: list[Row]) -> list[float]:
-    lc = analyse(val).length_chars
-    return sorted({lc["p10"], lc["p50"], lc["p90"]})
+def length_edges(val: list[Sequence]) -> list[float]:
+    """Length-bin cuts: the validation windows' source-row length at p10, p50 and p90."""
+    lengths = sorted(s.chars for s in val)
+    return sorted({float(lengths[min(len(lengths) - 1, int(p * len(lengths)))]) for p in (0.1, 0.5, 0.9)})
 
 
 def bucket(task: str, chars: int, edges: list[float]) -> tuple[str, int]:
     return task, sum(chars > e for e in edges)
 
 
-def matched_weights(train: list[Sequence], val: list[Row]) -> list[float]:
-    """Row weights making the (task, length bin) mix of `train` that of `val`. Buckets the
-    validation set lacks get weight 0; raises if no training row falls in any of its buckets."""
+MIN_BUCKET_ROWS = 16
+
+
+def matched_weights(train: list[Sequence], val: list[Sequence], min_rows: int = MIN_BUCKET_ROWS) -> list[float]:
+    """Row weights making the (task, length bin) mix of the training windows that of the
+    validation windows: the windows accept length is measured on (validation rows too short for
+    a window's prompt are not among them, so matching the raw rows' mix would chase rows that
+    are never evaluated). A task whose validation windows fall in a length bin holding fewer
+    than `min_rows` of its training windows is matched by task alone (all its windows alike):
+    otherwise those few windows would carry the bin's whole validation share and be drawn over
+    and over (measured on tiny-sala: per length bin alone, an effective sample of 9 of 854
+    windows; matching the raw rows' mix, 3 windows drew 80% of the batches, an effective 5, and
+    the heads overfit them). Validation tasks no training window has are dropped (the rest
+    renormalised); raises if none is left."""
+    if not val:
+        raise ValueError("validation-matched weighting needs validation windows")
     edges = length_edges(val)
-    val_mix = analyse([Row(r.text, "|".join(map(str, bucket(r.task, len(r.text), edges)))) for r in val]).proportions
-    train_keys = ["|".join(map(str, bucket(s.task, s.chars, edges))) for s in train]
-    train_count: dict[str, int] = {}
-    for k in train_keys:
-        train_count[k] = train_count.get(k, 0) + 1
-    weights = [val_mix.get(k, 0.0) / train_count[k] for k in train_keys]
+    fine = [bucket(s.task, s.chars, edges) for s in train]
+    val_fine = [bucket(s.task, s.chars, edges) for s in val]
+    count = Counter(fine)
+    thin = {task for task, b in val_fine if 0 < sum(n for (t, _), n in count.items() if t == task) and count[task, b] < min_rows}
+
+    def key(k):
+        return (k[0], None) if k[0] in thin else k
+
+    keys = [key(k) for k in fine]
+    train_count = Counter(keys)
+    val_mix = Counter(key(k) for k in val_fine)
+    weights = [val_mix[k] / len(val) / train_count[k] for k in keys]
     if not any(weights):
-        raise ValueError("no training row shares a (task type, length) bucket with the validation set: "
+        raise ValueError("no training row shares a task type with the validation set: "
                          "validation-matched weighting has nothing to draw")
     return weights
+
+
+def effective_rows(weights: list[float] | None, n: int) -> float:
+    """Kish's effective sample size (sum w)^2 / sum w^2 of a weighted draw over n rows."""
+    if weights is None:
+        return float(n)
+    return sum(weights) ** 2 / max(sum(w * w for w in weights), 1e-30)
 
 
 def batch_tensors(seqs: list[Sequence], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,11 +339,11 @@ def prepare(engine, rows: list[Row], data: DataConfig, per_row: int | None = Non
     return distill(engine, seqs, prompts, data) if data.self_distill else seqs
 
 
-def row_weights(seqs: list[Sequence], val_rows: list[Row], weighting: str) -> list[float] | None:
+def row_weights(seqs: list[Sequence], val: list[Sequence], weighting: str) -> list[float] | None:
     if weighting == "uniform":
         return None
     if weighting == "matched":
-        return matched_weights(seqs, val_rows)
+        return matched_weights(seqs, val)
     raise ValueError(f"weighting must be 'matched' or 'uniform', got {weighting!r}")
 
 

@@ -61,6 +61,11 @@ class MedusaTree:
     def max_depth(self) -> int:
         return max((len(c) for c in self.choices), default=0)
 
+    @property
+    def levels(self) -> list[list[int]]:
+        """Node indices at each depth, root first."""
+        return [[0]] + [[i + 1 for i, c in enumerate(self.choices) if len(c) == d] for d in range(1, self.max_depth + 1)]
+
     def to(self, device) -> MedusaTree:
         moved = {k: getattr(self, k).to(device) for k in ("parents", "depths", "ancestor_mask", "candidate_indices",
                                                            "retrieve_indices")}
