@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test and GPU benchmark in one run, for a session that is lent a GPU (about 6 minutes
+# Every GPU test and GPU benchmark in one run, for a session that is lent a GPU (about 7 minutes
 # on an H100/H200). Run from the repository root on the GPU machine:
 #     bash bench/gpu_check.sh            # results under $OUT (default ./gpu_check_out)
 # It installs nothing: PY (default python3) must have a CUDA torch, triton and the project's
@@ -22,11 +22,12 @@ step() {  # name, timeout seconds, command...
   echo "=== $name: exit $rc"
   [ "$rc" = 0 ] || status=1
 }
-step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_paged_attention.py tests/test_kv_kernels.py tests/test_nvfp4_gemm.py tests/test_engine.py tests/test_sampling_controls.py tests/test_block_sparse_attention.py
+step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/test_paged_attention.py tests/test_kv_kernels.py tests/test_nvfp4_gemm.py tests/test_engine.py tests/test_sampling_controls.py tests/test_block_sparse_attention.py tests/test_prefill_kernels.py
 step nvfp4_gemm 60 "$PY" bench/nvfp4_gemm_gpu.py
 step paged_attention 60 "$PY" bench/paged_attention_gpu.py
 step kv_attention 90 "$PY" bench/kv_attention_gpu.py
 step kv_decode 120 "$PY" bench/kv_decode.py
+step prefill_kernels 90 "$PY" bench/prefill_kernels_gpu.py
 step engine_9b 180 "$PY" bench/engine_gpu.py
 grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" || true
 exit $status

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from kernels.lightning_prefill import lightning_prefill_triton, triton
+
 
 def decay_slopes(n_heads: int) -> torch.Tensor:
     """ALiBi slope schedule, including its fallback for head counts that are not powers of two."""
@@ -76,6 +78,16 @@ CHUNK_SIZE = 64
 
 def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
             lengths: torch.Tensor | None = None):
+    """`chunked_torch`, or on CUDA the same chunks in one fused Triton kernel
+    (kernels/lightning_prefill.py; no backward: used where no gradient is wanted)."""
+    if q.is_cuda and triton is not None and chunk_size == CHUNK_SIZE and q.shape[2] and not (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return lightning_prefill_triton(q, k, v, g, scale, state, lengths)
+    return chunked_torch(q, k, v, g, scale, state, chunk_size, lengths)
+
+
+def chunked_torch(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
+                  lengths: torch.Tensor | None = None):
     """Chunk-parallel form: within a chunk of C tokens starting from state S, with b_i = (i+1) g,
 
     o_i = scale * [ exp(b_i) q_i^T S + sum_{j<=i} exp(b_i - b_j) (q_i . k_j) v_j ]

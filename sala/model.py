@@ -26,6 +26,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from kernels.prefill_attention import prefill_attention
 from sala import lightning, lightning_tree, sparse
 from sala.config import LIGHTNING, SALAConfig
 from sala.kv.pages import decode_attention
@@ -246,7 +247,6 @@ class SparseAttention(QKVOProjections):
             self.compress_step(ctx, k_pages, q.dtype)
         # A quantized cache: prompt chunks attend over what decode will read, not the exact K/V.
         lossless = k_pages.codec.lossless_for(q.dtype) and v_pages.codec.lossless_for(q.dtype)
-        gqa = self.n_heads != self.n_kv
         scale = self.head_dim**-0.5
         outs = [self.attend_tree(q, k, v, k_pages, v_pages, ctx.tree)] if ctx.tree else []
         if ctx.num_decode:
@@ -274,12 +274,10 @@ class SparseAttention(QKVOProjections):
                 rows = span.kv_rows if span.past else ctx.slot_mapping[span.start : end]
                 ks = k_pages.read(rows, q.dtype).transpose(0, 1)[None]
                 vs = v_pages.read(rows, q.dtype).transpose(0, 1)[None]
-            if ctx.batch_invariant:
-                outs.append(prefill_attention_in_blocks(qs, ks, vs, span.past, gqa))
-                continue
-            mask = None if span.past == 0 else causal_mask(span.length, span.past + span.length, span.past, None, q.device)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-            outs.append(o[0])
+            if ctx.batch_invariant:  # fixed blocks of absolute positions: cut-independent bits
+                outs.append(prefill_attention_in_blocks(qs, ks, vs, span.past, self.n_heads != self.n_kv))
+            else:
+                outs.append(prefill_attention(qs[0], ks[0], vs[0]))  # Triton on CUDA, SDPA elsewhere
         return _rows_with_padding(outs, q)
 
     def compress_step(self, ctx, k_pages, dtype: torch.dtype) -> None:

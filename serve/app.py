@@ -37,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException
 
@@ -64,6 +65,7 @@ from serve.protocol import (
     token_id_text,
     usage,
 )
+from serve.router import REPLICA_HEADER, PrefixAffinityRouter, PrefixRoutingIngress, RoutedRequest, RoutingOptions
 
 log = logging.getLogger("sala.serve")
 api = FastAPI(title="sala", docs_url=None, redoc_url=None)
@@ -202,6 +204,39 @@ class SalaServer:
     def check_health(self) -> None:
         if not self.engine.thread.is_alive():
             raise RuntimeError("engine step thread has stopped")
+
+    async def routed(self, request: RoutedRequest) -> AsyncIterator[dict]:
+        """An HTTP request relayed by PrefixRoutingIngress, run through this replica's FastAPI app:
+        its ASGI messages, the response's headers naming this replica. Closing the generator (the
+        client left) is a disconnect to the app, which cancels the engine requests."""
+        messages: asyncio.Queue = asyncio.Queue()
+        left = asyncio.Event()
+        body = [{"type": "http.request", "body": request.body, "more_body": False}]
+
+        async def receive() -> dict:
+            if body:
+                return body.pop()
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def run():
+            try:
+                await self.app(request.scope, receive, messages.put)  # self.app: the FastAPI app Serve wraps us with
+            finally:
+                messages.put_nowait(None)
+
+        replica = serve.get_replica_context().replica_id.unique_id.encode()
+        task = asyncio.create_task(run())
+        try:
+            while (message := await messages.get()) is not None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, replica)]}
+                yield message
+            await task
+        finally:
+            left.set()
+            if not task.done():
+                task.cancel()
 
     # ---- plumbing shared by the endpoints -------------------------------------------------
 
@@ -594,13 +629,24 @@ class SalaServer:
 
 def build_app(model: str | None = None, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               num_cpus: float = 1.0, num_gpus: float = 0, deterministic: bool = False, num_threads: int | None = None,
-              max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, kv_plan=None, **engine_kwargs):
+              max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, kv_plan=None, num_replicas: int = 1,
+              autoscaling_config: dict | None = None, prefix_routing: bool = True, prefix_routing_options: dict | None = None,
+              **engine_kwargs):
     """The Serve application for `serve.run`; api_key defaults to $SALA_API_KEY (unset: no auth).
     kv_plan (a kv_plan.json path or its dict; default: the checkpoint's own) is checked against the
     model here, so a bad plan fails before any replica starts (KVPlanError naming the problem).
     num_gpus > 0 reserves that many GPUs for the replica and runs the engine on CUDA; deterministic
-    makes a request's logprobs bitwise independent of the rest of the batch (evaluation mode, slower)."""
+    makes a request's logprobs bitwise independent of the rest of the batch (evaluation mode, slower).
+    With several replicas (num_replicas > 1, or an autoscaling_config) and prefix_routing, requests
+    sharing a prompt prefix go to the replica caching it (serve/router.py; prefix_routing_options are
+    PrefixAffinityRouter's: block_chars, max_blocks, imbalanced_threshold, min_match_rate); without
+    prefix_routing Serve's power of two choices spreads them."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+    if prefix_routing_options and not prefix_routing:
+        raise ValueError("prefix_routing_options given with prefix_routing off: drop them or turn prefix_routing on")
+    RoutingOptions(**(prefix_routing_options or {}))  # a bad option fails here, not in the router
     if model is None:  # tiny-sala, built here if need be: a replica only ever resolves, never trains
         from sala.tiny import ensure_tiny_sala
 
@@ -610,10 +656,17 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     if kv_plan is not None:  # the replica gets the checked plan itself: a path may not exist on its node
         engine_kwargs["kv_plan"] = load_plan(kv_plan, read_config(resolve_model_path(model))).to_json()
     api_key = os.environ.get("SALA_API_KEY") if api_key is None else api_key
-    return SalaServer.options(ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}).bind(
+    routed = prefix_routing and (num_replicas > 1 or autoscaling_config is not None)
+    options = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus}}
+    options |= {"autoscaling_config": autoscaling_config} if autoscaling_config is not None else {"num_replicas": num_replicas}
+    if routed:
+        options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                                                                request_router_kwargs=prefix_routing_options or {})
+    server = SalaServer.options(**options).bind(
         model, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
         max_tokens_limit=max_tokens_limit, num_threads=num_threads, num_gpus=num_gpus, deterministic=deterministic,
         engine_kwargs=engine_kwargs)
+    return PrefixRoutingIngress.bind(server, max_body_bytes=max_body_bytes) if routed else server
 
 
 def app_builder(args: dict):
@@ -638,6 +691,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                     help="compute every prompt in full instead of reusing cached prefixes (K/V pages, lightning-state snapshots)")
     ap.add_argument("--num-threads", type=int, help="torch threads in the replica (default: torch's choice)")
+    ap.add_argument("--num-replicas", type=int, default=1, help="engine replicas (default: %(default)s)")
+    ap.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",
+                    help="with several replicas, leave requests to Serve's power of two choices instead of sending "
+                         "those that share a prompt prefix to the replica caching it")
     ap.add_argument("--max-tokens-limit", type=int, default=1024,
                     help="largest max_tokens a request may ask for (default: %(default)s)")
     ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
@@ -647,6 +704,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.num_gpus < 0:
         ap.error("--num-gpus must be >= 0")
+    if args.num_replicas < 1:
+        ap.error("--num-replicas must be >= 1")
     return args
 
 
@@ -672,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus,
                         num_gpus=args.num_gpus, deterministic=args.deterministic, num_threads=args.num_threads,
                         max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
+                        num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
                         **({} if args.medusa is None else {"medusa": args.medusa}))
     except KVPlanError as e:
         print(f"error: --kv-plan: {e}", file=sys.stderr)

@@ -161,6 +161,41 @@ def test_eviction_under_pressure_never_changes_an_output(setup):
     assert_nothing_held(eng)
 
 
+def test_eviction_never_takes_a_page_a_running_request_holds(setup):
+    """A held page with a stale place in the eviction order: document D's last page became an
+    unheld leaf when D's first request finished; B, D again, resumes from D's snapshot at 64 and
+    takes that page back (its own copy of the same tokens is dropped), and while B decodes it
+    stays a leaf (B never fills its next page). A later unheld leaf (document E) is what may go
+    when C needs pages while B runs: the pool must evict E's pages, never D's, and B and C must
+    decode what they decode without reuse."""
+    stream = setup[2]
+    doc, other, c_prompt = stream[: 6 * PAGE], stream[1000 : 1000 + 3 * PAGE], stream[3000:3240]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    want = run_one_by_one(engine(setup, prefix_cache=False), [doc, c_prompt], params)
+    eng = engine(setup, max_seqs=2, max_model_len=256, memory_bytes=24 * PAGE * 1536 + 2 * 81920,
+                 prefix_snapshot_bytes=8 * 81920, prefix_snapshot_interval=64)
+    assert eng.cache.plan.num_pages == 24
+    one = SamplingParams(max_tokens=1, temperature=0)
+    eng.generate([doc], one)  # D's 6 pages cached, its last one an unheld leaf in the eviction order
+    eng.generate([other], one)  # E's 3 pages cached after it
+    b = eng.add_request(doc, params)
+    while not b.output_ids:
+        eng.step()
+    last = b.prefix_chain[-1]
+    assert b.num_cached_tokens == 64 and len(b.prefix_chain) == 6 and last.refs == 1 and last.is_leaf
+    assert any(n is last for _, _, n in eng.prefix.evictable), "D's last page should still have its old place"
+    c = eng.add_request(c_prompt, params)
+    while eng.has_work():
+        eng.step()
+        free = set(eng.cache.free_pages)
+        for r in eng.scheduler.running:
+            assert all(n.parent is not None and n.page not in free for n in r.prefix_chain), "a held page was evicted"
+            assert not free & set(r.pages)
+    assert eng.prefix.num_evicted_pages > 0, "C should have needed E's cached pages"
+    assert_same([b.completion(), c.completion()], want)
+    assert_nothing_held(eng)
+
+
 def test_preemption_with_shared_pages(setup):
     """Eight requests over one document in a pool too small for all: they share the document's
     pages, are preempted and resume (from snapshots) and still decode what they decode alone."""

@@ -1,0 +1,142 @@
+"""Prefix-aware routing across Serve replicas (serve/router.py).
+
+The block map and prompt extraction against hand-worked cases; then two tiny-sala replicas on a
+real local Ray behind the routing ingress, over real HTTP: the repeats of a long prefix all land
+on the replica that served it first and find it cached (which, with two replicas and random
+routing, would happen only by luck), a second document goes to the other replica, and what comes
+back through the relay (streamed or not, errors included) is what the replica answers.
+"""
+import json
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.router import PrefixMap, RoutingOptions, prompt_key
+from tests.conftest import serve_tiny_sala
+
+
+def test_prefix_map_matches_whole_leading_blocks_per_replica():
+    m = PrefixMap(block_chars=4, max_blocks=100)
+    m.insert("abcdefghij", "r1")  # blocks abcd, efgh; "ij" is not a whole block
+    m.insert("abcdXXXX", "r2")
+    assert m.match("abcdefghZZZZ", ["r1", "r2", "r3"]) == {"r1": 8, "r2": 4, "r3": 0}
+    assert m.match("efghabcd", ["r1", "r2"]) == {"r1": 0, "r2": 0}  # a block counts only after its own prefix
+    assert m.num_held == {"r1": 2, "r2": 2}
+    m.remove("r1")
+    assert m.match("abcdefgh", ["r1", "r2"]) == {"r1": 0, "r2": 4} and "r1" not in m.num_held
+
+
+def test_prefix_map_evicts_least_recent_leaves_first():
+    m = PrefixMap(block_chars=2, max_blocks=3)
+    m.insert("aabbcc", "r")  # 3 blocks
+    m.insert("ddee", "s")  # 2 more: the oldest leaves go, deepest first
+    assert m.match("aabbcc", ["r"]) == {"r": 2}  # "aa" kept (touched last within its chain), "bb", "cc" gone
+    assert m.match("ddee", ["s"]) == {"s": 4}
+    assert len(m.holders) == 3 and sum(m.num_held.values()) == 3
+
+
+def test_prompt_key_per_endpoint():
+    assert prompt_key("/v1/completions", b'{"prompt": "doc q"}') == "doc q"
+    assert prompt_key("/v1/completions", b'{"prompt": ["first", "second"]}') == "first"
+    assert prompt_key("/generate", b'{"input_ids": [104, 105]}') == "hi"
+    assert prompt_key("/generate", b'{"text": "t", "input_ids": null}') == "t"
+    chat = prompt_key("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "doc"}]}).encode())
+    assert chat.startswith('[{"content": "doc"')  # a shared leading message is a shared prefix
+    assert prompt_key("/v1/completions", b"not json") is None
+    assert prompt_key("/tokenize", b'{"prompt": "x"}') is None
+
+
+def test_routing_options_refuse_bad_values():
+    for bad in ({"block_chars": 0}, {"imbalanced_threshold": -1}, {"min_match_rate": 2}):
+        with pytest.raises(ValueError):
+            RoutingOptions(**bad)
+    with pytest.raises(TypeError, match="nonsense"):
+        RoutingOptions(nonsense=1)
+    from serve.app import build_app
+
+    for bad, match in (({"num_replicas": 0}, "num_replicas"), ({"prefix_routing_options": {"block_chars": 0}}, "block_chars"),
+                       ({"prefix_routing": False, "prefix_routing_options": {"block_chars": 64}}, "prefix_routing off")):
+        with pytest.raises(ValueError, match=match):
+            build_app(**bad)
+
+
+@pytest.fixture(scope="module")
+def routed_server(tiny_sala_dir):
+    yield from serve_tiny_sala(tiny_sala_dir, "routed", num_replicas=2, prefix_routing=True, compile=False,
+                               prefix_snapshot_interval=128, max_tokens_limit=256)
+
+
+def documents(model_dir, tokenizer, n: int, tokens: int) -> list[str]:
+    from sala.tiny import heldout_texts
+
+    ids = tokenizer("\n\n".join(heldout_texts(model_dir)))["input_ids"]
+    return [tokenizer.decode(ids[i * tokens : (i + 1) * tokens]) for i in range(n)]
+
+
+def test_repeated_prefix_lands_on_the_replica_holding_it(routed_server, tiny_sala_dir, tokenizer):
+    doc_a, doc_b = documents(tiny_sala_dir, tokenizer, 2, 400)
+    served: dict[str, list[str]] = {"a": [], "b": []}
+    cached: dict[str, list[int]] = {"a": [], "b": []}
+    with httpx.Client(base_url=routed_server, timeout=120) as http:
+        for i in range(3):
+            r = http.post("/v1/completions", json={"prompt": doc_a + f"\nQuestion {i}: what is it?", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            served["a"].append(r.headers["x-sala-replica"])
+            cached["a"].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            r = http.post("/generate", json={"text": doc_b + f"\nAsked {i}", "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 200, r.text
+            served["b"].append(r.headers["x-sala-replica"])
+            cached["b"].append(r.json()["meta_info"]["cached_tokens"])
+    assert len(set(served["a"])) == 1 and len(set(served["b"])) == 1, served
+    assert served["a"][0] != served["b"][0], "the second document should go to the replica holding nothing"
+    for doc in "ab":
+        assert cached[doc][0] == 0 and all(c >= 128 for c in cached[doc][1:]), cached
+
+
+def test_relay_passes_streams_and_errors_through(routed_server):
+    with httpx.Client(base_url=routed_server, timeout=120) as http:
+        body = {"prompt": "The json module", "max_tokens": 6, "temperature": 0}
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == whole
+        bad = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/no/such/path").status_code == 404
+
+
+def replica_metrics(http: httpx.Client) -> dict[str, dict]:
+    """/metrics of both replicas. GET requests carry no prompt: they take the power of two choices
+    (the idle replica, or either when both are), so ask until both have answered."""
+    seen = {}
+    for _ in range(60):
+        r = http.get("/metrics")
+        seen[r.headers["x-sala-replica"]] = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                             for f in text_string_to_metric_families(r.text) for s in f.samples}
+        if len(seen) == 2:
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"only {list(seen)} answered /metrics")
+
+
+def test_a_client_leaving_cancels_its_request_through_the_relay(routed_server):
+    body = {"prompt": "The for statement", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    cancelled = ("sala_finished_requests_total", (("reason", "cancelled"),))
+    running = ("sala_running_requests", ())
+    with httpx.Client(base_url=routed_server, timeout=120) as http:
+        before = replica_metrics(http)
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            replica = r.headers["x-sala-replica"]
+            assert any(line.startswith("data: ") for _, line in zip(range(4), r.iter_lines()))
+        for _ in range(50):
+            after = replica_metrics(http)
+            if all(m[running] == 0 for m in after.values()):
+                break
+            time.sleep(0.1)
+        assert after[replica][running] == 0
+        assert after[replica][cancelled] == before[replica][cancelled] + 1, "the request ran on after its client left"
