@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU test and GPU benchmark in one run, for a session that is lent a GPU (about 7 minutes
-# on an H100/H200). Run from the repository root on the GPU machine:
+# Every GPU test and GPU benchmark in one run, for a session that is lent a GPU. The steps'
+# time limits add up to 12.5 minutes, more than one 10-minute device command: run it in two
+# parts with ONLY (a space-separated list of step names) if one run does not fit. Run from the
+# repository root on the GPU machine:
 #     bash bench/gpu_check.sh            # results under $OUT (default ./gpu_check_out)
+#     ONLY="gpu_tests kv_attention" bash bench/gpu_check.sh
 # It installs nothing: PY (default python3) must have a CUDA torch, triton and the project's
 # dependencies; the checkout is put on PYTHONPATH.
 set -uo pipefail
@@ -16,6 +19,7 @@ status=0
 step() {  # name, timeout seconds, command...
   local name=$1 limit=$2
   shift 2
+  [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0
   echo "=== $name"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
