@@ -13,11 +13,11 @@ checked against the torch path over the same pages (dequantize, then attend).
 """
 import argparse
 import json
-import math
 import sys
 
 import torch
 from nvfp4_gemm_gpu import graph_time_us, peak_bandwidth_gbps, require_gpu  # bench/ is this script's sys.path[0]
+from paged_attention_gpu import rotating_block_tables
 
 BATCHES = [1, 8, 32]
 CONTEXTS = [4096, 16384]
@@ -38,7 +38,6 @@ def main():
     torch.manual_seed(0)
     peak = args.peak_gbps or peak_bandwidth_gbps()
     name = torch.cuda.get_device_name(0)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     scale = D**-0.5
     print(f"{name}: HBM peak {peak:,.0f} GB/s; Hq={HQ} Hkv={HKV} D={D} page {PAGE}; torch {torch.__version__}")
     print(f"{'B':>4}{'context':>9}{'format':>14}{'us':>10}{'MB read':>10}{'GB/s':>9}{'% peak':>8}{'bf16 us / us':>14}"
@@ -46,12 +45,7 @@ def main():
     rows = []
     for b in BATCHES:
         for ctx in CONTEXTS:
-            pages = ctx // PAGE
-            copies = max(1, math.ceil(4 * l2 / (2 * b * ctx * HKV * D * 2)))
-            pool = copies * b * pages
-            perm = torch.randperm(pool, device="cuda").int()
-            tables = [perm[i * b * pages : (i + 1) * b * pages].view(b, pages) for i in range(copies)]
-            lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+            pool, tables, lens = rotating_block_tables(b, ctx, PAGE, 2 * b * ctx * HKV * D * 2)
             q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
             bf16_us = None
             for fmt in FORMATS:

@@ -27,6 +27,18 @@ CONTEXTS = [1024, 4096, 16384]
 HQ, HKV, D, PAGE = 32, 2, 128, 64
 
 
+def rotating_block_tables(batch: int, context: int, page: int, kv_bytes: int):
+    """Block tables for `batch` sequences of `context` tokens in as many disjoint copies as make
+    their K/V (kv_bytes a copy, in bf16) four times the L2, so that replaying the copies in turn
+    no call finds its pages left in L2 by the one before. -> (pool pages, tables, lengths)."""
+    pages = context // page
+    copies = max(1, math.ceil(4 * torch.cuda.get_device_properties(0).L2_cache_size / kv_bytes))
+    pool = copies * batch * pages
+    perm = torch.randperm(pool, device="cuda").int()
+    tables = [perm[i * batch * pages : (i + 1) * batch * pages].view(batch, pages) for i in range(copies)]
+    return pool, tables, torch.full((batch,), context, device="cuda", dtype=torch.int32)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=30, help="graph replays per measurement (median taken)")
@@ -39,7 +51,6 @@ def main():
     torch.manual_seed(0)
     peak = args.peak_gbps or peak_bandwidth_gbps()
     name = torch.cuda.get_device_name(0)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     scale = D**-0.5
     print(f"{name}: HBM peak {peak:,.0f} GB/s; Hq={HQ} Hkv={HKV} D={D} page {PAGE}, bf16; "
           f"default split {SPLIT_LEN} tokens; torch {torch.__version__}")
@@ -48,15 +59,10 @@ def main():
     rows = []
     for b in BATCHES:
         for ctx in CONTEXTS:
-            pages = ctx // PAGE
             kv_bytes = 2 * b * ctx * HKV * D * 2
-            copies = max(1, math.ceil(4 * l2 / kv_bytes))
-            pool = copies * b * pages
+            pool, tables, lens = rotating_block_tables(b, ctx, PAGE, kv_bytes)
             k_cache = torch.randn(pool, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
             v_cache = torch.randn_like(k_cache)
-            perm = torch.randperm(pool, device="cuda").int()
-            tables = [perm[i * b * pages : (i + 1) * b * pages].view(b, pages) for i in range(copies)]
-            lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
             q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
             ref = paged_decode_attention_reference(q, k_cache, v_cache, tables[0], lens, scale)
             out = paged_decode_attention_triton(q, k_cache, v_cache, tables[0], lens, scale)
