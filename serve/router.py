@@ -289,9 +289,9 @@ class PrefixAffinityRouter(RequestRouter):
             return self.prefixes.forget_unheld(ids[0], held, asked_at) if ids else 0
 
     def blocks_held(self) -> dict[str, int]:
-        """Blocks this router believes each replica holds, by unique id."""
+        """Blocks this router believes each current replica holds, by unique id."""
         with self.lock:
-            return {r.unique_id: n for r, n in self.prefixes.num_held.items()}
+            return {r.unique_id: self.prefixes.num_held.get(r, 0) for r in self.curr_replicas}
 
     @staticmethod
     def _key(pending_request: PendingRequest | None) -> str | None:
