@@ -35,7 +35,7 @@ from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.layer_pool import LayerPool, results_from_bytes, results_to_bytes  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
 from registry.models import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
-from registry.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
+from registry.tracking import TrackingError, check_reachable, interrupt_deferred, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, load_model, read_config, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
 from sala.kv import PLAN_FILE, KVPlanError, load_plan  # noqa: E402
@@ -383,8 +383,9 @@ def run(args) -> int:
             errs = [st.output_error for _, st in res.values() if st is not None]
             if errs:
                 metrics[f"output_error/layer_{idx:02d}"] = sum(errs) / len(errs)
-            mlflow.log_metrics(metrics)
-            mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
+            with interrupt_deferred():
+                mlflow.log_metrics(metrics)
+                mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
 
         t0 = time.time()
         results = run_quantization(args, model_dir, layers, seqs, store, workers, log_layer)
