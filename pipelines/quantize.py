@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="quality gate: ... and its share of positions whose most likely token changed <= this")
     ap.add_argument("--min-cosine", type=float, default=GATE["min_cosine"],
                     help="quality gate: ... and its mean cosine similarity of the probability vectors >= this")
+    ap.add_argument("--gate-prompts", type=int, default=64,
+                    help="built-in prompts the gate's logprob evaluation scores (fewer is faster and noisier; the "
+                         "limits were measured on 64)")
     ap.add_argument("--register-name", help="registered model name (default: <model>-nvfp4)")
     ap.add_argument("--alias", default="champion", help="alias to move when the gate passes")
     ap.add_argument("--no-register", action="store_true", help="skip the model registry")
@@ -108,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       "config.json and on the registered version; K/V scales it lacks are calibrated here "
                                       "(default: the source checkpoint's kv_plan.json, if it has one)")
     args = ap.parse_args(argv)
-    for name in ("num_samples", "seq_len", "shards", "eval_sequences"):
+    for name in ("num_samples", "seq_len", "shards", "eval_sequences", "gate_prompts"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.workers is not None and args.workers <= 0:
@@ -411,7 +414,7 @@ def run(args) -> int:
         windows = window_sequences(token_stream(tokenizer, heldout), args.seq_len, args.eval_sequences)
         quality = compare_models(reference, candidate, windows)
         del reference, candidate
-        score = score_checkpoint(output, model_dir, reference_kwargs={"dtype": torch.bfloat16})
+        score = score_checkpoint(output, model_dir, num_prompts=args.gate_prompts, reference_kwargs={"dtype": torch.bfloat16})
         failures = gate_failures(score, args.max_kl, args.max_flip_rate, args.min_cosine)
         gate = not failures
         mlflow.log_metrics({"ppl_bf16": quality["ppl_reference"], "ppl_nvfp4": quality["ppl"],

@@ -10,8 +10,8 @@ import os
 import signal
 import threading
 import urllib.error
-from contextlib import contextmanager
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from sala.home import sala_home

@@ -22,6 +22,8 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6"]  # the gate at its defaults
+# Runs that check bytes, not the gate's figures, score 8 prompts instead of the gate's 64.
+FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 GATE_PASSED = re.compile(r"gate \(KL <= [\d.]+, flips <= \d+%, cosine >= [\d.]+\) passed")
 pytestmark = pytest.mark.slow
 
@@ -233,7 +235,8 @@ def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny
     on one worker: the Hessians are summed per calibration shard in shard order, so the worker
     count (1 here against sequential_run's 2) changes the time, not a byte of the checkpoint."""
     out = tmp_path / "resumed"
-    args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", "--kv-plan", str(plan_file), *SMALL]
+    args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", "--kv-plan", str(plan_file),
+            *FEW_GATE_PROMPTS]
     layers_dir = out.with_name(f".{out.name}.layers")
     proc, lines, err = start_pipeline(env, *args)
     wait_until(lambda: (layers_dir / "layer_003.json").exists(), proc, err)
@@ -255,7 +258,7 @@ def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_
     replays the quantized layers before its pending call, and the checkpoint is the same bytes."""
     out = tmp_path / "faulty"
     proc, lines, err = start_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--no-register",
-                                      "--kv-plan", str(plan_file), *SMALL)
+                                      "--kv-plan", str(plan_file), *FEW_GATE_PROMPTS)
     layers_dir = out.with_name(f".{out.name}.layers")
     wait_until(lambda: (layers_dir / "layer_002.json").exists(), proc, err)
     assert not (layers_dir / "layer_007.json").exists()  # the kill lands mid-quantization
@@ -335,7 +338,7 @@ def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
              "--runtime-env-json", json.dumps({"env_vars": {k: e[k] for k in ("SALA_HOME", "MLFLOW_TRACKING_URI")},
                                                "excludes": [".venv", ".git"]}),
              "--", "python", "pipelines/quantize.py", "--model", str(tiny_sala_dir), "--output", str(out),
-             "--no-register", "--mode", "parallel", *SMALL],
+             "--no-register", "--mode", "parallel", *FEW_GATE_PROMPTS],
             env=e, capture_output=True, text=True, timeout=600)
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=e, capture_output=True)
