@@ -109,7 +109,7 @@ class PrefixCache:
         be computed for its logits), and no further than the first prompt position whose
         logprob it asked for."""
         tokens = req.token_slice(0, req.num_tokens)
-        limit = req.num_tokens - 1
+        limit = req.prefill_end - 1
         if req.prompt_logprobs_next is not None:
             limit = min(limit, req.prompt_logprobs_next)
         ps, node, path, best = self.page_size, self.root, [], None
