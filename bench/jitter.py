@@ -11,6 +11,8 @@ the two runs decode differently) with the same request's in a reference run:
   them), and to a fresh engine;
 - batch 8 / batch 32: 32 prompts sent 1 at a time (the reference), then in batches of 8 and 32;
 - interleaved: 32 requests joining an engine while 8 others decode (continuous batching);
+- preempted: the 32 requests at once in a pool of 12 pages of 16 tokens, so requests are
+  preempted and recompute their prompt and the tokens they had generated;
 - chunk cuts: prompts of 230-530 tokens prefilled whole (the reference) and with token budgets
   of 512, 256 and 128 per step (cut into chunks at other positions, sharing steps).
 
@@ -36,6 +38,16 @@ from sala.engine import Engine, SamplingParams  # noqa: E402
 from sala.tiny import ensure_tiny_sala, heldout_texts  # noqa: E402
 
 CHUNK_BUDGETS = (512, 256, 128)
+SMALL_POOL_PAGES, PAGE = 12, 16
+
+
+def small_pool_bytes(model, max_seqs: int) -> int:
+    """A memory budget of SMALL_POOL_PAGES pages and max_seqs states: too few pages for everyone."""
+    from sala.engine.cache import kv_bytes_per_token, state_bytes_per_seq
+    from sala.kv import default_plan
+
+    plan = default_plan(model.config, next(model.parameters()).dtype)
+    return SMALL_POOL_PAGES * PAGE * kv_bytes_per_token(model.config, plan) + max_seqs * state_bytes_per_seq(model.config, plan)
 
 
 def logprob_trace(c) -> tuple[list[float], list[int]]:
@@ -84,6 +96,11 @@ def run_mode(model, tokenizer, prompts, long_prompts, params, invariant: bool, c
     out["batch 32"] = max_delta(alone, traces(engine().generate(prompts, params)))
     others = [p[::-1] for p in prompts[:8]]  # different requests sharing the steps
     out["interleaved"] = max_delta(alone, traces(interleaved(engine(), others, prompts, params)[8:]))
+    small = engine(page_size=PAGE, max_model_len=128, memory_bytes=small_pool_bytes(model, 32))
+    out["preempted"] = max_delta(alone, traces(small.generate(prompts, params)))
+    assert small.num_preemptions > 0, "the small pool preempted no request"
+    print(f"{'evaluation' if invariant else 'fast'} mode: {small.num_preemptions} preemptions in the small pool",
+          file=sys.stderr, flush=True)
     whole = traces(engine(max_batch_tokens=1024).generate(long_prompts, params))
     for budget in CHUNK_BUDGETS:
         out[f"chunk cuts ({budget}/step)"] = max_delta(whole, traces(engine(max_batch_tokens=budget).generate(long_prompts,

@@ -18,7 +18,7 @@ from sala.checkpoint import load_model
 from sala.config import SALAConfig
 from sala.eval.compare import window_sequences
 from sala.kv import KVPlan
-from sala.kv.measure import calibrate_amax, measure_plan, plan_logprobs
+from sala.kv.measure import calibrate_amax, measure_plan, reference_baseline
 from sala.kv.search import downgraded, greedy_plan, units
 from sala.tiny import ensure_tiny_sala, heldout_texts, token_stream
 
@@ -42,7 +42,7 @@ def main() -> None:
     windows = window_sequences(token_stream(tok, heldout_texts(path)), SEQ, args.windows + 8)
     amax = calibrate_amax(model, windows[:8])
     held = windows[8:]
-    ref = plan_logprobs(model, held, None, PREFIX)
+    ref = reference_baseline(model, held, PREFIX)
 
     def measure(plan):
         return measure_plan(model, held, plan, ref, PREFIX)

@@ -10,7 +10,12 @@
    `python -m sala.quant` does and loaded back, scored with the logprob tool against a BF16
    baseline (engine, evaluation mode, built-in prompt set) and by held-out perplexity; the
    Spearman rank correlation of the two orderings; and a deliberately broken checkpoint, the
-   figures the quantize pipeline's registry gate thresholds come from.
+   figures the quantize pipeline's registry gate thresholds come from. Beside them the cache
+   plans on the BF16 weights (all-FP8, all-NVFP4, all-NVFP4-4/6, and the mixed plan of the
+   published recipe: the first and last sparse layers FP8, the others NVFP4-4/6; K/V scales
+   calibrated on the calibration rows): the engine serving the plan scored the same way, and
+   the held-out perplexity of the model's forward over K/V stored as the plan stores them,
+   ranked in the same correlation.
 """
 import argparse
 import copy
@@ -34,6 +39,17 @@ VARIANTS = {"RTN-M6": ("rtn", "6"), "RTN-4/6": ("rtn", "4over6"), "GPTQ-M6": ("g
 # RMS added first: a checkpoint as a quantizer bug would leave it (a wrong Hessian, a scale off),
 # which the registry gate (pipelines/quantize.py) must refuse.
 BROKEN_NOISE = 0.25
+# Cache plans, all with fp32 lightning states: (the sparse layers' format, formats of the first and last).
+PLANS = {"KV-FP8": ("fp8", None), "KV-NVFP4": ("nvfp4", None), "KV-NVFP4-4/6": ("nvfp4_4over6", None),
+         "KV-mixed": ("nvfp4_4over6", "fp8")}
+
+
+def cache_plan(config, amax, kv: str, ends: str | None):
+    from sala.kv import KVPlan
+
+    plan = KVPlan.uniform(config, kv, "fp32", amax)
+    first, last = config.sparse_layers[0], config.sparse_layers[-1]
+    return plan.with_units(kv={first: ends, last: ends}) if ends else plan
 
 
 def synthetic_pairs(rng, rows: int, k: int, vocab: int):
@@ -99,6 +115,8 @@ def bench_ranking(args) -> dict:
     from sala.eval.calibration import calibration_sequences
     from sala.eval.compare import compare_models, window_sequences
     from sala.eval.engine_source import EngineSource
+    from sala.kv import apply_to_model
+    from sala.kv.measure import calibrate_amax
     from sala.quant.export import export_checkpoint
     from sala.quant.layerwise import quantize_model
     from sala.tiny import ensure_tiny_sala, split_corpus, token_stream
@@ -117,6 +135,19 @@ def bench_ranking(args) -> dict:
     base = lp.collect_baseline(ref, prompts, max_new_tokens=32, batch_sizes=(8,))[8]
     baseline_s = time.perf_counter() - t0
     rows = []
+
+    def add_row(variant, test, candidate):
+        t0 = time.perf_counter()
+        s = lp.compare(base, test, 8).summary()
+        score_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        q = compare_models(reference, candidate, windows)
+        ppl_s = time.perf_counter() - t0
+        rows.append({"variant": variant, "logprob_kl": s["kl_mean"], "kl_p99": s["kl_p99"], "flip_rate": s["flip_rate"],
+                     "cosine": s["cosine_mean"], "ppl": q["ppl"],
+                     "ppl_bf16": q["ppl_reference"], "full_kl": q["kl_mean"], "score_s": score_s, "ppl_s": ppl_s})
+        print(f"  {variant}: logprob KL {s['kl_mean']:.5f}, ppl {q['ppl']:.3f}", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         for variant, (method, rule) in VARIANTS.items():
             source = copy.deepcopy(model)
@@ -125,29 +156,29 @@ def bench_ranking(args) -> dict:
             quantized, _ = quantize_model(source, seqs, method, rule)
             path = export_checkpoint(model, quantized, Path(tmp) / variant.replace("/", "over"), tokenizer, scale_rule=rule,
                                      method=method)
-            t0 = time.perf_counter()
-            s = lp.compare(base, EngineSource.from_pretrained(path), 8).summary()
-            score_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            q = compare_models(reference, load_model(path, dtype=torch.float32), windows)
-            ppl_s = time.perf_counter() - t0
-            rows.append({"variant": variant, "logprob_kl": s["kl_mean"], "kl_p99": s["kl_p99"], "flip_rate": s["flip_rate"],
-                         "cosine": s["cosine_mean"], "ppl": q["ppl"],
-                         "ppl_bf16": q["ppl_reference"], "full_kl": q["kl_mean"], "score_s": score_s, "ppl_s": ppl_s})
-            print(f"  {variant}: logprob KL {s['kl_mean']:.5f}, ppl {q['ppl']:.3f}", file=sys.stderr, flush=True)
+            add_row(variant, EngineSource.from_pretrained(path), load_model(path, dtype=torch.float32))
+    amax = calibrate_amax(reference, seqs[:8])
+    for variant, (kv, ends) in PLANS.items():
+        plan = cache_plan(model.config, amax, kv, ends)
+        candidate = copy.deepcopy(reference)
+        apply_to_model(candidate, plan)  # its forward attends over K/V as the plan's pages store them
+        add_row(variant, EngineSource.from_pretrained(model_dir, dtype=torch.bfloat16, kv_plan=plan), candidate)
     print(f"\nBF16 baseline: {len(base.sequences)} prompts, {len(base.top_ids)} positions x top-{base.top_ids.shape[1]} "
           f"({baseline_s:.1f} s); perplexity on {windows[:, 1:].numel()} held-out tokens (BF16 {rows[0]['ppl_bf16']:.3f})")
-    print(f"{'variant':<10}{'logprob KL':>12}{'KL p99':>10}{'flips':>8}{'cosine':>10}{'ppl':>10}{'held-out KL':>13}"
+    print(f"{'variant':<14}{'logprob KL':>12}{'KL p99':>10}{'flips':>8}{'cosine':>10}{'ppl':>10}{'held-out KL':>13}"
           f"{'score s':>9}{'ppl s':>8}")
     for r in rows:
-        print(f"{r['variant']:<10}{r['logprob_kl']:>12.5f}{r['kl_p99']:>10.4f}{r['flip_rate']:>8.2%}{r['cosine']:>10.5f}"
+        print(f"{r['variant']:<14}{r['logprob_kl']:>12.5f}{r['kl_p99']:>10.4f}{r['flip_rate']:>8.2%}{r['cosine']:>10.5f}"
               f"{r['ppl']:>10.3f}{r['full_kl']:>13.5f}{r['score_s']:>9.2f}{r['ppl_s']:>8.2f}")
     rho_ppl = spearman([r["logprob_kl"] for r in rows], [r["ppl"] for r in rows])
     rho_kl = spearman([r["logprob_kl"] for r in rows], [r["full_kl"] for r in rows])
-    print(f"Spearman rank correlation, logprob KL vs held-out perplexity: {rho_ppl:.2f}; vs held-out full-vocabulary KL: "
-          f"{rho_kl:.2f}")
+    plans = [r for r in rows if r["variant"] in PLANS]
+    rho_plans = spearman([r["logprob_kl"] for r in plans], [r["ppl"] for r in plans])
+    print(f"Spearman rank correlation over all {len(rows)} rows, logprob KL vs held-out perplexity: {rho_ppl:.2f}; vs "
+          f"held-out full-vocabulary KL: {rho_kl:.2f}; over the {len(plans)} cache plans alone vs perplexity: {rho_plans:.2f}")
     return {"rows": [{k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
-            "spearman_kl_vs_ppl": round(rho_ppl, 3), "spearman_kl_vs_heldout_kl": round(rho_kl, 3)}
+            "spearman_kl_vs_ppl": round(rho_ppl, 3), "spearman_kl_vs_heldout_kl": round(rho_kl, 3),
+            "spearman_plans_kl_vs_ppl": round(rho_plans, 3)}
 
 
 def main():

@@ -17,7 +17,8 @@ decode drift: the model under test decodes on its own and the reference (--refer
 gate failed, 2 bad input or an unusable source. A partial result is never reported as a score.
 
 `score_checkpoint` is the same comparison for other pipelines (the quantize gate, the KV-cache
-plan ablation, Medusa): a checkpoint directory against a reference, through the engine.
+plan ablation): a checkpoint directory against a reference, through the engine; `score_medusa`
+the decode drift of a checkpoint served with its Medusa heads (pipelines/train_medusa.py).
 """
 from __future__ import annotations
 
@@ -117,6 +118,45 @@ def score_checkpoint(candidate: str | Path, reference: str | Path, *, batch_size
     if drift:
         summary |= lp.decode_drift(base, test, ref, batch_size).summary()
     return summary
+
+
+class LosslessError(RuntimeError):
+    """Greedy Medusa decoding left the plain greedy path: tree verify is broken, not the heads."""
+
+
+def score_medusa(checkpoint: str | Path, *, batch_size: int = 8, num_prompts: int = 16, prompt_tokens: int = 64,
+                 max_new_tokens: int = 32, temperature: float = 0.7, seed: int = 0) -> dict:
+    """Decode drift of `checkpoint` served with its Medusa heads, against its own backbone decoding
+    plainly in evaluation mode (the baseline, in the checkpoint's dtype: BF16 for a BF16 model).
+    Greedy tree verify is lossless, so its path must be the baseline's (LosslessError otherwise,
+    except where the baseline had an exact tie); sampled requests use typical acceptance, which
+    is not, and are reported beside plain sampling at the same temperature and seed, so what the
+    acceptance rule adds to the drift sampling has anyway is visible. -> {medusa_greedy_*,
+    medusa_typical_*, plain_sampled_*: drift summaries (identical share, first divergence, KL,
+    flips)}."""
+    from sala.engine import Engine
+    from sala.eval.engine_source import EngineSource
+
+    ref = EngineSource.from_pretrained(checkpoint)  # evaluation mode decodes plainly
+    tok = ref.engine.tokenizer
+    prompts = tokenize_prompts(builtin_rows(num_prompts), lambda t: tok(t)["input_ids"], prompt_tokens)
+    base = lp.collect_baseline(ref, prompts, max_new_tokens=max_new_tokens, batch_sizes=(batch_size,))[batch_size]
+    medusa = Engine.from_pretrained(checkpoint, medusa=True, compile=False)
+    plain = Engine.from_pretrained(checkpoint, medusa=False, compile=False)
+    out = {}
+    for label, engine, temp in (("medusa_greedy", medusa, 0.0), ("medusa_typical", medusa, temperature),
+                                ("plain_sampled", plain, temperature)):
+        drift = lp.decode_drift(base, EngineSource(engine, label, temp, seed), ref, batch_size)
+        out |= {f"{label}_{k}": v for k, v in drift.summary().items()}
+        if label == "medusa_greedy":
+            untied = lp.untied_departures(base, drift)
+            out["medusa_greedy_untied_departures"] = len(untied)
+            if untied:
+                i = untied[0]
+                raise LosslessError(f"greedy Medusa decoding left the plain greedy path in {len(untied)} of "
+                                    f"{len(prompts)} prompts without a tie (prompt {i} at decode step "
+                                    f"{drift.first_divergence[i]}): tree verify is not lossless")
+    return out
 
 
 # -------------------------------------------------------------------------------- commands

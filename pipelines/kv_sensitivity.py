@@ -4,11 +4,14 @@ Baseline: every sparse layer FP8 (scales calibrated on calibration windows), eve
 Then one Ray task per unit (a sparse layer downgraded to NVFP4, a lightning state to bf16),
 retried when its worker dies, each measuring on held-out windows the mean KL to the
 unquantized cache, top-1 agreement and perplexity (sala/kv/measure.py: prefill, then
-teacher-forced decode, as serving uses the cache). Then the greedy plan under the budget
+teacher-forced decode, as serving uses the cache; scored by sala.eval.logprob against the
+unquantized cache's top-256, the metrics the logprob evaluation reports). Then the greedy plan under the budget
 (sala/kv/search.py; `--max-kl`, `--fp8-layers`, default a KL of 1.2x the all-FP8 baseline's),
 each combined candidate re-measured. MLflow gets the sensitivity table, a bar plot per layer
 (PNG), the plan and its metrics; the plan goes into a copy of the checkpoint (kv_plan.json,
-manifest rewritten), which `Engine.from_pretrained` and the server then use as it is.
+manifest rewritten), which `Engine.from_pretrained` and the server then use as it is, and that
+copy is registered in the MLflow model registry as a new version of `--register-name` (default
+<model>-kv), tagged with the plan (kv_plan, kv_bytes_per_token, state_bytes_per_seq) and its KL.
 
     python pipelines/kv_sensitivity.py [--model DIR|models:/name@alias] [--max-kl X] [--fp8-layers N] [--output DIR]
 """
@@ -37,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     ap.add_argument("--max-retries", type=int, default=3, help="retries of a measurement whose worker died")
     ap.add_argument("--experiment", default="kv_sensitivity", help="MLflow experiment")
+    ap.add_argument("--register-name", help="registered model the checkpoint with its plan becomes a version of "
+                                            "(default: <model>-kv)")
+    ap.add_argument("--no-register", action="store_true", help="write the checkpoint copy only, register nothing")
     args = ap.parse_args(argv)
     if args.max_kl is not None and not args.max_kl >= 0:
         ap.error("--max-kl must be >= 0")
@@ -110,11 +116,12 @@ def run(args, model_path: Path, texts: Path, output: Path, name: str) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from registry.models import register_checkpoint
     from sala.checkpoint import load_model
     from sala.checkpoint_files import atomic_directory, write_manifest
     from sala.eval.compare import window_sequences
     from sala.kv import KVPlan
-    from sala.kv.measure import calibrate_amax, plan_logprobs
+    from sala.kv.measure import calibrate_amax, reference_baseline
     from sala.kv.search import downgraded, greedy_plan, units
     from sala.tiny import token_stream
 
@@ -129,7 +136,7 @@ def run(args, model_path: Path, texts: Path, output: Path, name: str) -> int:
         return 2
     amax = calibrate_amax(model, windows[: args.calib_windows])
     held = windows[args.calib_windows :]
-    reference = plan_logprobs(model, held, None, PREFIX)
+    reference = reference_baseline(model, held, PREFIX, name=f"{model_path.name} unquantized cache")
     del model
     task = ray.remote(num_cpus=1, max_retries=args.max_retries)(measure_task)
     path, held_ref, ref_ref = str(model_path), ray.put(held), ray.put(reference)
@@ -174,9 +181,17 @@ def run(args, model_path: Path, texts: Path, output: Path, name: str) -> int:
             plan.save(tmp)
             write_manifest(tmp, producer={"tool": "pipelines/kv_sensitivity.py", "source": name, "run_id": mlflow_run.info.run_id},
                            metrics=plan.metrics)
+        version, register_name = None, args.register_name or f"{name}-kv"
+        if not args.no_register:  # plan_tags adds kv_plan, kv_bytes_per_token and state_bytes_per_seq
+            version = register_checkpoint(output, register_name, tags={
+                "kl_mean": f"{plan.metrics['kl_mean']:.6g}", "baseline_kl_mean": f"{base_metrics['kl_mean']:.6g}",
+                "budget": json.dumps(plan.budget), "source": name}, description=f"{name} with cache plan {plan.describe()}")
     print(f"plan: {plan.describe()}", flush=True)
     print(f"plan written to {output / 'kv_plan.json'} (checkpoint {output}); mlflow run {mlflow_run.info.run_id}", flush=True)
-    print(json.dumps({"output": str(output), "budget": plan.budget, "metrics": plan.metrics}), flush=True)
+    if version:
+        print(f"registered models:/{register_name}/{version} (the checkpoint with its plan)", flush=True)
+    print(json.dumps({"output": str(output), "budget": plan.budget, "metrics": plan.metrics,
+                      "registered": f"models:/{register_name}/{version}" if version else None}), flush=True)
     return 0
 
 

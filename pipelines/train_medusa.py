@@ -16,7 +16,10 @@ The tree: `--tree-nodes N` grows one greedily from the heads' per-rank accuracy 
 validation windows (Medusa's tree search), `--tree mc_sim_7b_63` keeps Medusa's default.
 
 MLflow: parameters, per-head loss / top-1 / top-5 while training and on validation, a PNG plot
-of per-head top-1 and top-5, accept length on validation prompts. Training state is saved
+of per-head top-1 and top-5, accept length on validation prompts, and the written checkpoint's
+decode drift as served with its heads, scored by the logprob evaluation against its backbone
+decoding plainly (pipelines/evaluate.py score_medusa: greedy must not drift at all, typical
+acceptance is reported next to plain sampling; `--eval-prompts 0` skips it). Training state is saved
 beside --output every --checkpoint-every steps; running the same command again resumes it.
 Prints the checkpoint directory; the last line is JSON.
 """
@@ -65,10 +68,14 @@ def parse_args(argv=None):
     ap.add_argument("--replicas", type=int, default=1, help="self-distillation engine actors")
     ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per distillation actor")
     ap.add_argument("--experiment", default="train_medusa", help="MLflow experiment")
+    ap.add_argument("--eval-prompts", type=int, default=16, help="prompts the served checkpoint's decode drift is scored on")
+    ap.add_argument("--eval-temperature", type=float, default=0.7, help="of the typical-acceptance drift")
     args = ap.parse_args(argv)
     for name in ("steps", "batch_size", "num_heads", "topk", "tree_nodes", "replicas", "prompt_len", "windows_per_row"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.eval_prompts < 0 or args.eval_temperature <= 0:
+        ap.error("--eval-prompts must be >= 0 and --eval-temperature > 0")
     if args.seq_len <= args.prompt_len + args.num_heads + 1:
         ap.error("--seq-len must exceed --prompt-len by more than --num-heads + 1 tokens")
     return args
@@ -130,6 +137,7 @@ def plot_accuracy(history: list[dict], num_heads: int, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from pipelines.evaluate import LosslessError
     from pipelines.raycluster import RayUnavailable, init_ray
     from registry.models import ModelSpecError, resolve_model_path
     from registry.tracking import TrackingError, setup_mlflow
@@ -150,6 +158,9 @@ def main(argv=None) -> int:
         return fail(f"--num-gpus: {e}")
     except (DatasetError, ModelSpecError, TrackingError, RayUnavailable, CheckpointError, ValueError) as e:
         return fail(str(e))
+    except LosslessError as e:  # the checkpoint is written; the engine serving it is what is wrong
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def run(args, model_path: Path, output: Path) -> int:
@@ -242,14 +253,27 @@ def run(args, model_path: Path, output: Path) -> int:
                                              producer={"name": "pipelines/train_medusa.py", "mlflow_run": mlflow_run.info.run_id},
                                              metrics=metrics)
         shutil.rmtree(state_dir, ignore_errors=True)
+        drift = {}
+        if args.eval_prompts:
+            from pipelines.evaluate import score_medusa
+
+            print(f"scoring the decode drift of {path} as served with Medusa on {args.eval_prompts} prompts", flush=True)
+            drift = score_medusa(path, num_prompts=args.eval_prompts, temperature=args.eval_temperature)
+            mlflow.log_metrics(drift)
     print("validation per head: " + "  ".join(f"head {k}: loss {val_before['loss'][k]:.2f} -> {val['loss'][k]:.2f}, "
                                               f"top-1 {val['top1'][k]:.2f}, top-5 {val['top5'][k]:.2f}"
                                               for k in range(args.num_heads)))
     print(f"accept length {accept:.2f} tokens per verify step on {min(32, len(val_prompts))} validation prompts "
           f"(tree of {len(tree)} nodes)")
+    if drift:
+        print(f"decode drift vs plain greedy: greedy Medusa {drift['medusa_greedy_drift_identical_share']:.0%} of prompts "
+              f"identical (KL {drift['medusa_greedy_drift_kl_mean']:.2e}); typical acceptance at temperature "
+              f"{args.eval_temperature:g}: first divergence at step {drift['medusa_typical_drift_first_divergence_mean']:.1f} "
+              f"on average (plain sampling {drift['plain_sampled_drift_first_divergence_mean']:.1f}), KL "
+              f"{drift['medusa_typical_drift_kl_mean']:.2e}, flips {drift['medusa_typical_drift_flip_rate']:.2%}")
     print(f"mlflow run {mlflow_run.info.run_id} (experiment {args.experiment})")
     print(f"checkpoint {path}")
-    print(json.dumps({"pipeline": "train_medusa", "checkpoint": str(path), **metrics}), flush=True)
+    print(json.dumps({"pipeline": "train_medusa", "checkpoint": str(path), **metrics, **drift}), flush=True)
     return 0
 
 

@@ -314,6 +314,15 @@ def test_a_pool_too_small_for_everyone_preempts_and_still_gives_the_same_outputs
     assert [c.token_ids for c in got] == [c.token_ids for c in big]
     assert all(abs(a.logprob - b.logprob) < LOGPROB_TOL for x, y in zip(got, big) for a, b in zip(x.logprobs, y.logprobs))
     assert small.cache.num_free_pages == 8 and len(small.cache.free_state_slots) == small.cache.plan.max_seqs
+    # The evaluation mode: preempted requests give the same bits as the large pool's (their
+    # generated tokens are recomputed by decode steps, as they were first computed: a prefill of
+    # them, as before, moved logprobs by up to 3e-6).
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    big = Engine(copy.deepcopy(model), tokenizer, batch_invariant=True).generate(prompts[:8], params)
+    small = Engine(copy.deepcopy(model), tokenizer, batch_invariant=True, page_size=16, max_seqs=8, max_model_len=128,
+                   memory_bytes=8 * 16 * 1536 + 8 * 81920)
+    got = small.generate(prompts[:8], params)
+    assert small.num_preemptions > 0 and logprob_bits(got) == logprob_bits(big)
 
 
 def test_a_request_that_does_not_fit_now_does_not_block_smaller_ones(model, tokenizer, prompts):

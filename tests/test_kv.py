@@ -18,7 +18,7 @@ from sala.engine import Engine, SamplingParams
 from sala.engine.cache import CachePool, plan_memory
 from sala.eval.compare import window_sequences
 from sala.kv import KVPages, KVPlan, KVPlanError, apply_to_model, decode_attention, load_plan, make_codec
-from sala.kv.measure import calibrate_amax, measure_plan, plan_logprobs
+from sala.kv.measure import calibrate_amax, measure_plan, reference_baseline
 from sala.tiny import heldout_texts, token_stream
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -336,7 +336,7 @@ def test_mixed_plan_kl_lies_between_all_fp8_and_all_nvfp4(tiny, calibrated):
     model, _ = tiny
     amax, windows = calibrated
     config = model.config
-    ref = plan_logprobs(model, windows, None, 64)
+    ref = reference_baseline(model, windows, 64)
     first, *rest = config.sparse_layers
     plans = {"fp8": KVPlan.uniform(config, "fp8", "fp32", amax), "nvfp4": KVPlan.uniform(config, "nvfp4", "fp32", amax),
              "mixed": KVPlan.uniform(config, "nvfp4", "bf16", amax).with_units({first: "fp8"})}

@@ -55,13 +55,13 @@ def test_ablation_one_result_per_unit_budget_met_artifacts_logged(tiny_sala_dir,
     from sala.checkpoint import load_model
     from sala.eval.compare import window_sequences
     from sala.kv import KVPlan
-    from sala.kv.measure import plan_logprobs
+    from sala.kv.measure import reference_baseline
     from sala.tiny import heldout_texts, token_stream
 
     model = load_model(tiny_sala_dir)
     windows = window_sequences(token_stream(AutoTokenizer.from_pretrained(tiny_sala_dir), heldout_texts(tiny_sala_dir)),
                                ks.SEQ, 4)
-    ref = plan_logprobs(model, windows[2:], None, ks.PREFIX)
+    ref = reference_baseline(model, windows[2:], ks.PREFIX)
     base = KVPlan.uniform(config, "fp8", "fp32", {e["layer"]: {"k": e["k_amax"], "v": e["v_amax"]}
                                                   for e in plan["layers"] if e["kind"] == "sparse"})
     first = config.sparse_layers[0]
@@ -79,6 +79,17 @@ def test_ablation_one_result_per_unit_budget_met_artifacts_logged(tiny_sala_dir,
     (run,) = client.search_runs([client.get_experiment_by_name("kv_sensitivity").experiment_id])
     assert {"sensitivity.json", "sensitivity.png", "kv_plan.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     assert run.data.metrics["plan_kl_mean"] == plan["metrics"]["kl_mean"]
+    # The checkpoint with its plan is a registered version, its tags saying the plan and its cost.
+    from registry.models import resolve_model_path
+
+    (version,) = client.search_model_versions("name='tiny-sala-kv'")
+    assert version.run_id == run.info.run_id and f"registered models:/tiny-sala-kv/{version.version}" in printed
+    assert version.tags["kv_plan"] == engine.kv_plan.describe()
+    assert int(version.tags["kv_bytes_per_token"]) == sum(engine.kv_plan.kv_bytes_per_token(config).values())
+    assert int(version.tags["state_bytes_per_seq"]) == sum(engine.kv_plan.state_bytes_per_seq(config).values())
+    assert float(version.tags["kl_mean"]) == pytest.approx(plan["metrics"]["kl_mean"], rel=1e-5)
+    registered = resolve_model_path(f"models:/tiny-sala-kv/{version.version}")
+    assert json.loads((registered / "kv_plan.json").read_text()) == plan and verify_manifest(registered)
     # An existing output is not replaced without --overwrite.
     assert main(["--model", str(tiny_sala_dir), "--output", str(out)]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import pytest
 from sala.eval.logprob import (
     Baseline,
     BaselineError,
+    Drift,
     Identity,
     SourceError,
     TopLogprobs,
@@ -19,6 +20,7 @@ from sala.eval.logprob import (
     full_divergence,
     score,
     top_k,
+    untied_departures,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +87,23 @@ def make_baseline(rng, n=3, vocab=512, k=16) -> Baseline:
     ids, lp = top_k(log_softmax(lm_like(rng, rows, vocab, 1.5)), k)
     return Baseline(seqs, np.array([10] * n), starts, ids, lp,
                     {"model": "m", "tokenizer_hash": "abc", "vocab_size": vocab, "top_k": k, "batch_size": 1})
+
+
+def test_untied_departures_allow_a_greedy_path_to_leave_only_at_an_exact_tie():
+    """The lossless check of greedy speculative decoding (pipelines/evaluate.py score_medusa)."""
+    base = make_baseline(np.random.default_rng(3))  # prompts of 10 tokens; scored from 8 before the end
+    conts = np.array([len(s) - 10 for s in base.sequences])
+    tie = base.offsets[1] + 10 + 6 - base.starts[1]  # sequence 1, decode step 6
+    base.top_logprobs[tie, 1] = base.top_logprobs[tie, 0]
+
+    def departures(first):
+        return untied_departures(base, Drift(np.array(first), conts, np.zeros(0), None))
+
+    assert departures(conts) == []  # nobody left the baseline's continuation
+    assert departures([conts[0], 6, conts[2]]) == []  # sequence 1 left at its exact tie
+    assert departures([conts[0], 7, conts[2]]) == [1]  # one step later: no tie there
+    assert departures([4, conts[1], 8]) == [0, 2]  # no ties there; step 8 of sequence 2 is its first scored one
+    assert departures([1, conts[1], conts[2]]) == [0]  # before the scored positions: cannot be checked
 
 
 def test_baseline_round_trip_and_corruption(tmp_path):

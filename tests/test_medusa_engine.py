@@ -161,3 +161,15 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     pair = engine.generate(prompts[1:6], params)
     assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]
     assert {1, 2} <= set(calls) and engine.spec.accept_length > 1.3
+
+
+def test_served_medusa_checkpoint_drift_scored_by_the_logprob_evaluation(medusa_checkpoint):
+    """pipelines/train_medusa.py's last step: greedy Medusa never leaves the plain greedy path of
+    the evaluation-mode baseline; sampling (typical acceptance, and plain) does, and is measured."""
+    from pipelines.evaluate import score_medusa
+
+    s = score_medusa(medusa_checkpoint, num_prompts=8, max_new_tokens=16)
+    print(s)
+    assert s["medusa_greedy_drift_identical_share"] == 1 and s["medusa_greedy_untied_departures"] == 0
+    assert s["medusa_greedy_drift_flip_rate"] == 0 and s["medusa_greedy_drift_kl_mean"] < 1e-6
+    assert s["medusa_typical_drift_identical_share"] < 1 and s["plain_sampled_drift_identical_share"] < 1

@@ -138,7 +138,8 @@ class Engine:
             decode_tokens = self.tree.num_nodes
         max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule,
                                                    min(plan.max_seqs, 16) * decode_tokens + granule)
-        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule, self.prefix)
+        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule, self.prefix,
+                                   exact_recompute=batch_invariant)
         if self.tree is not None:
             self.scheduler.decode_tokens, self.scheduler.lookahead = decode_tokens, self.tree.max_depth
         self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.tree)
@@ -289,6 +290,9 @@ class Engine:
             for (r, _), lp in zip(step.prompt_targets, scored):
                 r.prompt_logprobs.append(lp)
         reqs = step.sampled
+        if any(r.num_computed < r.num_tokens for r in reqs):  # decodes recomputing generated tokens: nothing new
+            keep = [i for i, r in enumerate(reqs) if r.num_computed == r.num_tokens]
+            reqs, logits, n = [reqs[i] for i in keep], logits[keep], len(keep)
         tokens = sample(logits[:n], reqs, self.eos_ids)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         scored = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])

@@ -105,10 +105,10 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ lookup and admission
     def match(self, req: Request) -> Hit | None:
-        """The deepest snapshot req can resume from: at most its tokens less one (the last must
-        be computed for its logits), and no further than the first prompt position whose
-        logprob it asked for."""
-        limit = req.num_tokens - 1
+        """The deepest snapshot req can resume from: at most its tokens (its prompt, with
+        recompute_by_decode) less one (the last must be computed for its logits), and no
+        further than the first prompt position whose logprob it asked for."""
+        limit = req.prefill_end - 1
         if req.prompt_logprobs_next is not None:
             limit = min(limit, req.prompt_logprobs_next)
         return self._deepest(req.token_slice(0, req.num_tokens), limit)

@@ -102,6 +102,10 @@ class Request:
     first_token_at: float | None = None
     drafts: torch.Tensor | None = None  # Medusa: each head's top-k tokens [K, topk], the next tree's candidates
     spec: SpecStats | None = None
+    # Evaluation mode, after a preemption: the generated tokens are recomputed by decode steps, one
+    # each, as they were first computed (a prefill of them rounds differently), so the cache holds
+    # the bits it held before and what follows is what an undisturbed request computes.
+    recompute_by_decode: bool = False
 
     @property
     def capacity(self) -> int:
@@ -121,13 +125,22 @@ class Request:
 
     @property
     def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+        """The token the next decode step feeds (position num_computed): the last one, except while
+        generated tokens are recomputed by decode (`recompute_by_decode`)."""
+        i = self.num_computed - len(self.prompt_ids)
+        return self.output_ids[i] if i >= 0 else self.prompt_ids[self.num_computed]
+
+    @property
+    def prefill_end(self) -> int:
+        """Where prompt chunks stop: the end of the tokens, or of the prompt with `recompute_by_decode`."""
+        return len(self.prompt_ids) if self.recompute_by_decode else self.num_tokens
 
     @property
     def prefilling(self) -> bool:
-        """More than the last token still to compute: the next step runs a chunk, not one decode token.
-        (A request one token short of done decodes that token, whether it is new or the prompt's last.)"""
-        return self.num_computed < self.num_tokens - 1
+        """More than one token still to compute before prefill_end: the next step runs a chunk, not one
+        decode token. (A request one token short of it decodes that token, whether it is new, the
+        prompt's last, or one it generated before a preemption.)"""
+        return self.num_computed < self.prefill_end - 1
 
     def completion(self) -> Completion:
         now = time.perf_counter()

@@ -10,7 +10,10 @@ stalls the decoders.
 Pages are taken as sequences grow. When a running request needs a page and none is free, the
 most recently admitted request is preempted: its pages and state slot are freed and it goes
 back to the front of the queue, to recompute its prompt and the tokens it already generated
-(a lightning state cannot be rebuilt any other way) and continue exactly where it was.
+(a lightning state cannot be rebuilt any other way) and continue exactly where it was. With
+`exact_recompute` (the batch-invariant mode) only the prompt is prefilled again and the
+generated tokens are recomputed by one decode step each, as they were first computed, so the
+recomputed cache is bitwise the one that was freed.
 
 With a prefix cache (sala/engine/prefix.py) a waiting request is admitted from the deepest
 snapshot it matches, and a chunk never runs past the next snapshot interval, so that the
@@ -53,7 +56,7 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, cache: CachePool, max_batch_tokens: int, max_seqs: int, max_waiting: int, granule: int = 1,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, exact_recompute: bool = False):
         if max_batch_tokens < max_seqs + granule - 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least max_seqs={max_seqs}"
                              + (f" + {granule - 1} (one prefill granule)" if granule > 1 else ""))
@@ -62,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.exact_recompute = exact_recompute
         self.decode_tokens, self.lookahead = 1, 0  # a plain decode; Medusa sets its tree's
         self.lock = threading.Lock()
 
@@ -131,7 +135,7 @@ class Scheduler:
         return batch
 
     def _chunk_end(self, r: Request, budget: int) -> int:
-        total = r.num_tokens
+        total = r.prefill_end
         end = min(total, r.num_computed + budget)
         if self.prefix:  # stop at the next snapshot position
             end = min(end, (r.num_computed // self.prefix.interval + 1) * self.prefix.interval)
@@ -154,6 +158,7 @@ class Scheduler:
         self.running.remove(r)
         self.cache.free(r)
         r.num_computed = 0
+        r.recompute_by_decode = self.exact_recompute and bool(r.output_ids)
         self.num_preemptions += 1
         with self.lock:
             self.waiting.appendleft(r)

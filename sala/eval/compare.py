@@ -31,12 +31,6 @@ def compare_models(reference, candidate, windows: torch.Tensor, batch_size: int 
     return finish(sums)
 
 
-def compare_logprobs(lp_ref: torch.Tensor, lp_cand: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-    """The same metrics from log-probabilities [..., V] already computed (e.g. over a quantized
-    cache, sala/kv/measure.py) and the tokens that followed [...]."""
-    return finish(divergence_sums(lp_ref.float(), lp_cand.float(), targets))
-
-
 def divergence_sums(lp_ref: torch.Tensor, lp_cand: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     return {
         "nll_ref": -lp_ref.gather(-1, targets[..., None]).sum().item(),

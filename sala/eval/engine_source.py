@@ -11,8 +11,11 @@ from sala.eval.logprob import TOKENIZER_PROBE, Identity, TopLogprobs, tokenizer_
 
 
 class EngineSource:
-    def __init__(self, engine: Engine, name: str):
-        self.engine, self.name = engine, name
+    """`temperature` > 0 makes `generate` sample (seeded) instead of decoding greedily: decode drift
+    under sampling, e.g. Medusa's typical acceptance. Scoring is teacher-forced either way."""
+
+    def __init__(self, engine: Engine, name: str, temperature: float = 0.0, seed: int = 0):
+        self.engine, self.name, self.temperature, self.seed = engine, name, temperature, seed
 
     @classmethod
     def from_pretrained(cls, path: str | Path, name: str | None = None, **engine_kwargs) -> EngineSource:
@@ -31,7 +34,9 @@ class EngineSource:
         return [_arrays(c.prompt_logprobs, top_k) for c in self.engine.generate(sequences, params)]
 
     def generate(self, prompts: list[list[int]], max_tokens: int, top_k: int) -> list[tuple[list[int], TopLogprobs]]:
-        done = self.engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=top_k))
+        params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, logprobs=top_k,
+                                seed=self.seed if self.temperature else None)
+        done = self.engine.generate(prompts, params)
         return [(c.token_ids, _arrays(c.logprobs, top_k)) for c in done]
 
 

@@ -348,6 +348,11 @@ def top_k(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.astype(np.int32), np.take_along_axis(logprobs, ids, 1).astype(np.float32)
 
 
+def perplexity(token_logprobs: np.ndarray) -> float:
+    """exp(mean negative log-likelihood) of the tokens that actually followed, given their logprobs."""
+    return float(np.exp(-np.mean(token_logprobs, dtype=np.float64)))
+
+
 # ---------------------------------------------------------------------------------- reports
 @dataclass
 class Report:
@@ -470,6 +475,22 @@ def decode_drift(baseline: Baseline, test: LogprobSource, reference: LogprobSour
     step = np.concatenate(steps)
     by_step = np.bincount(step, weights=div.kl) / np.maximum(np.bincount(step), 1)
     return Drift(first, np.array([len(c) for c in conts]), by_step, div)
+
+
+def untied_departures(baseline: Baseline, drift: Drift) -> list[int]:
+    """Sequences whose greedy path (`decode_drift` of a source decoding greedily) leaves the
+    baseline's continuation at a step where the baseline's two most likely tokens were not exactly
+    tied: what a lossless decoder of the same model (greedy speculative decoding) must never do.
+    At an exact tie (BF16 logits) the last bit of a hidden state may break it either way. A
+    departure outside the baseline's scored positions cannot be checked and is counted."""
+    off, out = baseline.offsets, []
+    for i, (step, n) in enumerate(zip(drift.first_divergence, drift.continuation_lens)):
+        if step >= n:
+            continue
+        row = off[i] + baseline.prompt_lens[i] + step - baseline.starts[i]
+        if row < off[i] or baseline.top_logprobs[row, 0] != baseline.top_logprobs[row, 1]:
+            out.append(i)
+    return out
 
 
 # ------------------------------------------------------------------------------------ files

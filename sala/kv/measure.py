@@ -6,16 +6,21 @@ FP8 scales and NVFP4 global scales are built from, sala/kv/formats.py).
 `plan_logprobs`: the model's next-token log-probabilities over a cache stored as a plan says,
 in the shape serving uses it: each window's first `prefix` tokens are prefilled, then the rest
 are fed one decode step at a time (teacher-forced), so quantized K/V are what later tokens
-attend to and a bf16 state is rounded after every token, as in the engine. `measure_plan`
-compares those against the unquantized cache's with sala.eval.compare (mean KL, top-1
-agreement, perplexity).
+attend to and a bf16 state is rounded after every token, as in the engine.
+
+The damage is scored by sala.eval.logprob, the same metrics the logprob evaluation reports for
+any model or server: `reference_baseline` keeps the unquantized cache's top-256 at every
+measured position as a logprob Baseline (small enough to ship to every ablation task), and
+`measure_plan` scores a plan's top-256 against it (mean KL, flips, cosine, covered mass) and
+adds the perplexity of the tokens that followed.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sala.eval.compare import compare_logprobs
+from sala.eval import logprob as lp
 from sala.kv.plan import KVPlan, apply_to_model
 
 
@@ -61,6 +66,33 @@ def plan_logprobs(model, windows: torch.Tensor, plan: KVPlan | None, prefix: int
         apply_to_model(model, None)
 
 
-def measure_plan(model, windows: torch.Tensor, plan: KVPlan, reference: torch.Tensor, prefix: int) -> dict[str, float]:
-    """Mean KL to `reference` (plan_logprobs with no plan), top-1 agreement, perplexity."""
-    return compare_logprobs(reference, plan_logprobs(model, windows, plan, prefix), windows[:, prefix:])
+def _top(logprobs: torch.Tensor, top_k: int) -> list[lp.TopLogprobs]:
+    """[N, P, V] -> each window's top-k rows, as a logprob source reports them."""
+    values, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+    return [lp.TopLogprobs(i.numpy().astype(np.int32), v.numpy()) for i, v in zip(ids, values)]
+
+
+def _token_logprobs(logprobs: torch.Tensor, windows: torch.Tensor, prefix: int) -> np.ndarray:
+    return logprobs.gather(-1, windows[:, prefix:, None])[..., 0].double().numpy()
+
+
+def reference_baseline(model, windows: torch.Tensor, prefix: int, top_k: int = lp.TOP_K,
+                       name: str = "unquantized cache") -> lp.Baseline:
+    """The unquantized cache's predictions of tokens prefix .. T-1 of windows [N, T] as a logprob
+    Baseline: window i is sequence i, scored from token `prefix`; meta["ppl"] its perplexity."""
+    full = plan_logprobs(model, windows, None, prefix)
+    tops = _top(full, top_k)
+    n, length = windows.shape
+    return lp.Baseline([w.numpy().astype(np.int32) for w in windows], np.full(n, prefix), np.full(n, prefix),
+                       np.concatenate([t.ids for t in tops]), np.concatenate([t.logprobs for t in tops]),
+                       {"model": name, "vocab_size": full.shape[-1], "top_k": tops[0].ids.shape[1],
+                        "positions": length - prefix, "ppl": lp.perplexity(_token_logprobs(full, windows, prefix))})
+
+
+def measure_plan(model, windows: torch.Tensor, plan: KVPlan, reference: lp.Baseline, prefix: int) -> dict[str, float]:
+    """A plan's damage against `reference` (reference_baseline of the same windows): the logprob
+    evaluation's summary (kl_mean, flip_rate, cosine_mean, ...), top-1 agreement, perplexity."""
+    full = plan_logprobs(model, windows, plan, prefix)
+    summary = lp.score(reference, _top(full, reference.top_ids.shape[1])).summary()
+    return summary | {"top1_agreement": 1.0 - summary["flip_rate"], "ppl": lp.perplexity(_token_logprobs(full, windows, prefix)),
+                      "ppl_reference": reference.meta["ppl"]}

@@ -28,7 +28,7 @@ def greedy_plan(baseline: KVPlan, baseline_metrics: dict, sensitivity: dict[Unit
                 measure: Callable[[KVPlan], dict], max_kl: float | None = None, fp8_layers: int | None = None,
                 kv_format: str = "nvfp4") -> tuple[KVPlan, dict]:
     """The plan and its metrics. `sensitivity`: each unit's mean KL when downgraded alone from
-    `baseline`; `measure(plan)` -> compare_logprobs' metrics ("kl_mean", ...)."""
+    `baseline`; `measure(plan)` -> sala.kv.measure.measure_plan's metrics ("kl_mean", ...)."""
     if max_kl is None and fp8_layers is None:
         raise ValueError("greedy_plan needs a budget: max_kl and / or fp8_layers")
     if fp8_layers is not None and not 0 <= fp8_layers <= len(baseline.kv):
