@@ -188,10 +188,14 @@ class ModelRunner:
             return rows, self.forward(ids, ctx, logit_rows)
         if self.fast_greedy is not None and ctx.tree is not None and not ctx.prefills \
                 and all(r.params.greedy and r.params.logprobs is None for r in rows.verified):
-            left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in rows.verified], device=self.device)
-            rows.speculated = self.fast_greedy(ids, ctx, left)
-            if rows.speculated is not None:
-                return rows, torch.empty(0, self.model.config.vocab_size, device=self.device)
+            out = self.fast_tree(ids, ctx)
+            if out is not None:
+                left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in rows.verified], device=self.device)
+                rows.speculated = self.fast_greedy(*out, ids, ctx, left)
+                if rows.speculated is not None:
+                    return rows, torch.empty(0, self.model.config.vocab_size, device=self.device)
+                rows.hidden, logits = out
+                return rows, logits
         if self.fast_tree is not None and ctx.tree is not None and not ctx.prefills:
             out = self.fast_tree(ids, ctx)
             if out is not None:
@@ -341,26 +345,33 @@ class CompiledTreeVerify(CompiledStep):
         return hidden, logits
 
 
-class CompiledGreedySpeculation(CompiledTreeVerify):
-    """The whole speculative step of a batch of greedy requests in one graph: the tree-verify
-    forward, greedy acceptance (the longest path whose every token is its parent's argmax), the
-    commit (the accepted path's K/V into the pages, lightning states advanced along it), the
-    bonus token (the argmax at the last accepted node) and the heads' drafts for the next tree.
-    Around a compiled forward these were ~20 small eager ops each, several times the forward's
-    own cost on a small model; here the step reads back one small integer tensor.
+class CompiledGreedySpeculation(CompiledStep):
+    """What follows a greedy batch's tree-verify forward, as one graph: greedy acceptance (the
+    longest path whose every token is its parent's argmax), the commit (the accepted path's K/V
+    into the pages, lightning states advanced along it), the bonus token (the argmax at the
+    last accepted node) and the heads' drafts for the next tree. Eagerly these were ~20 small
+    ops around the compiled forward, costing more than the forward itself on a small model.
+    It is a graph of its own: folded into the forward's graph, the pool writes after the
+    forward's pool reads made inductor copy whole pools (measured: 2.5x the step).
 
     Returns (emitted [R, 2 + P]: accepted length n, the path's tokens root first, the bonus token;
     drafts [R, heads, topk], left on the device for the next step's tree)."""
 
-    what = "the greedy Medusa step"
+    what = "the greedy Medusa acceptance and commit"
+    MIN_ROWS = 1
 
-    def _step(self, ids, positions, kv_rows, kv_lens, state_slots, max_nodes):
+    def _step(self, hidden, logits, ids, kv_rows, kv_lens, state_slots, max_nodes, *saved):
         from sala.medusa.accept import accept_greedy  # sala.medusa imports the engine package
 
         runner, tree = self.runner, self.runner.tree
-        hidden, logits, ctx = self._forward(ids, positions, kv_rows, kv_lens, state_slots)
         r, t = ids.shape
         hidden, logits = hidden.view(r, t, -1), logits.view(r, t, -1)
+        ctx = StepContext(runner.cache, None, None)
+        ctx.tree = TreeStep(r, tree.depths, tree.ancestor_mask, kv_rows, kv_lens, state_slots, parents=tree.parents)
+        it = iter(saved)
+        for layer in runner.model.model.layers:  # (k, v) per layer, or (node states,) for a BF16-state lightning layer
+            n = 1 if layer.is_lightning and runner.cache.states[layer.layer_idx].dtype != torch.float32 else 2
+            ctx.tree.saved[layer.layer_idx] = tuple(next(it) for _ in range(n))
         acc = accept_greedy(tree, ids, logits, max_nodes)
         dest = ctx.tree.path_rows(acc.lengths, tree.retrieve_indices.shape[1], runner.cache.scratch_row)
         runner.model.model.commit_tree(ctx, acc.paths, acc.lengths, dest)
@@ -369,8 +380,12 @@ class CompiledGreedySpeculation(CompiledTreeVerify):
         drafts = runner.medusa.draft_tokens(hidden[rows, last], runner.model.lm_head)
         return torch.cat([acc.lengths[:, None], ids.gather(1, acc.paths.clamp(min=0)), bonus[:, None]], 1), drafts
 
-    def __call__(self, ids: torch.Tensor, ctx: StepContext, max_nodes: torch.Tensor):
-        return self._run(self._inputs(ids, ctx) + [max_nodes])
+    def __call__(self, hidden, logits, ids: torch.Tensor, ctx: StepContext, max_nodes: torch.Tensor):
+        tree = ctx.tree
+        saved = [x for i in sorted(tree.saved) for x in tree.saved[i]]
+        inputs = [hidden, logits, ids.view(tree.num_requests, -1), tree.kv_rows, tree.kv_lens, tree.state_slots, max_nodes]
+        torch._dynamo.mark_dynamic(tree.kv_rows, 1)
+        return self._run(inputs + saved)
 
 
 class CudaGraphDecode:
