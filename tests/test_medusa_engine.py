@@ -156,7 +156,7 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     fast = engine.runner.fast_greedy
     assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
     calls = []
-    fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)
+    fast.fn = (lambda fn: lambda *a: calls.append(a[2].shape[0]) or fn(*a))(fast.fn)  # a[2]: the tree tokens [R, T]
     single = engine.generate(prompts[:1], params)
     pair = engine.generate(prompts[1:6], params)
     assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]
