@@ -4,13 +4,16 @@ bench/prefill_vs_llama.py, at 8K, 32K and 128K tokens: prefill time, decode toke
 
 Each (model, length) runs in its own process, so its peak resident memory (VmHWM less the RSS
 once the model is built: activations, K/V, compressed keys and states) is its own. The dense runs grow
-quadratically; they stop at --dense-max (default 32K: a dense 128K prefill takes tens of
-minutes on 2 cores), and the table says so.
+quadratically; they stop at --dense-max (default 32K), and a run past --timeout seconds is
+stopped. Every entry that was not measured says so in the table, and next to it stands an
+extrapolation from the two longest measured lengths of that model (a power law through them),
+labelled as such: it is never reported as a measurement.
 
-    python bench/long_context.py [--lengths 8192 32768 131072] [--dense-max 32768] [--png long_context.png]
+    python bench/long_context.py [--lengths 8192 32768 131072] [--dense-max 32768] [--timeout 1200] [--png long_context.png]
 """
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -56,11 +59,26 @@ def build(name: str, max_len: int):
     return variant(tiny, max_len, **({"dense_len": 1 << 40} if name == "dense" else {}))
 
 
-def run(name: str, n: int, max_len: int) -> dict:
-    """In a fresh process (forking a process that has run OpenMP threads can hang)."""
-    out = subprocess.run([sys.executable, __file__, "--one", name, str(n), str(max_len)], check=True,
-                         capture_output=True, text=True).stdout
+def run(name: str, n: int, max_len: int, timeout: float) -> dict | None:
+    """In a fresh process (forking a process that has run OpenMP threads can hang); None when it
+    ran past `timeout` seconds."""
+    try:
+        out = subprocess.run([sys.executable, __file__, "--one", name, str(n), str(max_len)], check=True,
+                             capture_output=True, text=True, timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        return None
     return json.loads(out.strip().splitlines()[-1])
+
+
+def extrapolate(rows: list[dict], name: str, n: int) -> dict | None:
+    """A model's figures at n tokens from a power law through its two longest measured lengths
+    below n (prefill time and peak memory grow, decode speed falls); None with fewer than two."""
+    pts = [r for r in rows if r.get(name) and r["tokens"] < n][-2:]
+    if len(pts) < 2:
+        return None
+    (a, ra), (b, rb) = ((p["tokens"], p[name]) for p in pts)
+    scale = math.log(n / b) / math.log(b / a)
+    return {key: round(rb[key] * (rb[key] / ra[key]) ** scale, 2) for key in ("prefill_s", "decode_tok_s", "peak_mib")}
 
 
 def variant(tiny, max_len: int, **sparse_over) -> SALAForCausalLM:
@@ -83,7 +101,12 @@ def plot(rows: list[dict], path: str) -> None:
         for name in ("sparse", "dense", "llama"):
             pts = [(r["tokens"], r[name][key]) for r in rows if r.get(name)]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+                line, = ax.plot(*zip(*pts), marker="o", label=name)
+                guesses = [(r["tokens"], r["extrapolated"][name][key]) for r in rows
+                           if (r.get("extrapolated") or {}).get(name)]
+                if guesses:  # dashed, hollow: not measured
+                    ax.plot(*zip(pts[-1], *guesses), ls="--", marker="o", mfc="none", color=line.get_color(),
+                            label=f"{name} (extrapolated)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_title(label)
@@ -96,6 +119,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--dense-max", type=int, default=32768, help="longest prompt for the dense and Llama runs")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds before a run is stopped and reported unmeasured")
     ap.add_argument("--png", default="long_context.png")
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "TOKENS", "MAX_LEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -116,17 +140,21 @@ def main():
     for n in args.lengths:
         row = {"tokens": n}
         for name in ("sparse", "dense", "llama"):
-            if name != "sparse" and n > args.dense_max:
-                row[name] = None
-                print(f"{n:>8} | {name:<7}{'not run (--dense-max)':>35}", flush=True)
-                continue
-            row[name] = run(name, n, max_len)
+            skipped = name != "sparse" and n > args.dense_max
+            row[name] = None if skipped else run(name, n, max_len, args.timeout)
             r = row[name]
-            print(f"{n:>8} | {name:<7}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.1f}{r['peak_mib']:>10.1f}", flush=True)
+            if r:
+                print(f"{n:>8} | {name:<7}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.1f}{r['peak_mib']:>10.1f}", flush=True)
+                continue
+            why = "not run (--dense-max)" if skipped else f"stopped after {args.timeout:.0f} s"
+            e = row.setdefault("extrapolated", {})[name] = extrapolate(rows, name, n)
+            guess = (f"; EXTRAPOLATED, not measured: prefill {e['prefill_s']} s, decode {e['decode_tok_s']} tok/s, "
+                     f"peak {e['peak_mib']} MiB" if e else "")
+            print(f"{n:>8} | {name:<7}{why}{guess}", flush=True)
         rows.append(row)
     for row in rows:
         s, d, ll = row["sparse"], row["dense"], row["llama"]
-        if d:
+        if s and d and ll:
             print(f"{row['tokens']:>8} tokens: dense/sparse prefill time {d['prefill_s'] / s['prefill_s']:.2f}x, "
                   f"sparse/dense decode tokens/s {s['decode_tok_s'] / d['decode_tok_s']:.2f}x, "
                   f"llama/sala-sparse prefill time {ll['prefill_s'] / s['prefill_s']:.2f}x, "

@@ -35,7 +35,7 @@ from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.layer_pool import LayerPool, results_from_bytes, results_to_bytes  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
 from registry.models import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
-from registry.tracking import TrackingError, check_reachable, setup_mlflow, tracking_uri  # noqa: E402
+from registry.tracking import TrackingError, check_reachable, interrupt_deferred, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, load_model, read_config, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
 from sala.kv import PLAN_FILE, KVPlanError, load_plan  # noqa: E402
@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="quality gate: ... and its share of positions whose most likely token changed <= this")
     ap.add_argument("--min-cosine", type=float, default=GATE["min_cosine"],
                     help="quality gate: ... and its mean cosine similarity of the probability vectors >= this")
+    ap.add_argument("--gate-prompts", type=int, default=64,
+                    help="built-in prompts the gate's logprob evaluation scores (fewer is faster and noisier; the "
+                         "limits were measured on 64)")
     ap.add_argument("--register-name", help="registered model name (default: <model>-nvfp4)")
     ap.add_argument("--alias", default="champion", help="alias to move when the gate passes")
     ap.add_argument("--no-register", action="store_true", help="skip the model registry")
@@ -108,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       "config.json and on the registered version; K/V scales it lacks are calibrated here "
                                       "(default: the source checkpoint's kv_plan.json, if it has one)")
     args = ap.parse_args(argv)
-    for name in ("num_samples", "seq_len", "shards", "eval_sequences"):
+    for name in ("num_samples", "seq_len", "shards", "eval_sequences", "gate_prompts"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.workers is not None and args.workers <= 0:
@@ -383,8 +386,9 @@ def run(args) -> int:
             errs = [st.output_error for _, st in res.values() if st is not None]
             if errs:
                 metrics[f"output_error/layer_{idx:02d}"] = sum(errs) / len(errs)
-            mlflow.log_metrics(metrics)
-            mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
+            with interrupt_deferred():
+                mlflow.log_metrics(metrics)
+                mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
 
         t0 = time.time()
         results = run_quantization(args, model_dir, layers, seqs, store, workers, log_layer)
@@ -410,7 +414,7 @@ def run(args) -> int:
         windows = window_sequences(token_stream(tokenizer, heldout), args.seq_len, args.eval_sequences)
         quality = compare_models(reference, candidate, windows)
         del reference, candidate
-        score = score_checkpoint(output, model_dir, reference_kwargs={"dtype": torch.bfloat16})
+        score = score_checkpoint(output, model_dir, num_prompts=args.gate_prompts, reference_kwargs={"dtype": torch.bfloat16})
         failures = gate_failures(score, args.max_kl, args.max_flip_rate, args.min_cosine)
         gate = not failures
         mlflow.log_metrics({"ppl_bf16": quality["ppl_reference"], "ppl_nvfp4": quality["ppl"],

@@ -7,8 +7,11 @@ A cluster sets MLFLOW_TRACKING_URI to its `mlflow server`; nothing in code chang
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from sala.home import sala_home
@@ -16,6 +19,27 @@ from sala.home import sala_home
 
 class TrackingError(RuntimeError):
     """The MLflow tracking server cannot be used; the message says which URI and why."""
+
+
+@contextmanager
+def interrupt_deferred():
+    """Hold Ctrl-C until the MLflow write inside is done, then deliver it.
+
+    A KeyboardInterrupt raised in the middle of an sqlite commit leaves that connection's write
+    transaction open, and the run's own end_run (which marks the run KILLED) then waits on it and
+    fails with "database is locked": the interrupt would exit 1 with a traceback, not 130.
+    """
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)  # now handled by whatever handler was there before
 
 
 def tracking_uri() -> str:

@@ -6,7 +6,7 @@
 One deployment holds one engine and its FastAPI ingress, so tokens go from the engine's step
 thread to the HTTP stream without crossing processes. Endpoints: /v1/models,
 /v1/completions, /v1/chat/completions, /generate, /tokenize, /detokenize, /abort_request,
-/get_model_info, /get_server_info (SGLang's), /health and /metrics (Prometheus).
+/flush_cache, /get_model_info, /get_server_info (SGLang's), /health and /metrics (Prometheus).
 With SALA_API_KEY set (or `api_key=`), every endpoint but /health and /metrics needs
 `Authorization: Bearer KEY`.
 The served model is named after the checkpoint (the registered model, or the directory) unless
@@ -65,7 +65,15 @@ from serve.protocol import (
     token_id_text,
     usage,
 )
-from serve.router import REPLICA_HEADER, PrefixAffinityRouter, PrefixRoutingIngress, RoutedRequest, RoutingOptions
+from serve.router import (
+    REPLICA_HEADER,
+    PrefixAffinityRouter,
+    PrefixRoutingIngress,
+    RoutedRequest,
+    RoutingOptions,
+    ServedPrompts,
+    SummaryRequest,
+)
 
 log = logging.getLogger("sala.serve")
 api = FastAPI(title="sala", docs_url=None, redoc_url=None)
@@ -200,6 +208,7 @@ class SalaServer:
         self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
         self.max_model_len = self.engine.engine.max_model_len
         self.metrics = Metrics(self.engine.engine)
+        self.served = ServedPrompts()
 
     def check_health(self) -> None:
         if not self.engine.thread.is_alive():
@@ -226,7 +235,11 @@ class SalaServer:
                 messages.put_nowait(None)
 
         replica = serve.get_replica_context().replica_id.unique_id.encode()
-        task = asyncio.create_task(run())
+        if request.prompt_key is not None:
+            self.served.begin(request.prompt_key)
+        reset = ServedPrompts.relayed_key.set(request.prompt_key)
+        task = asyncio.create_task(run())  # with relayed_key set: _submit records the prompt's tokens under it
+        ServedPrompts.relayed_key.reset(reset)
         try:
             while (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
@@ -237,6 +250,22 @@ class SalaServer:
             left.set()
             if not task.done():
                 task.cancel()
+            if request.prompt_key is not None:
+                self.served.end(request.prompt_key)
+
+    async def prefix_summary(self, request: SummaryRequest) -> tuple[str, list[int]]:
+        """For the router (PrefixRoutingIngress.refresh): this replica's id and the blocks of the
+        prompts relayed to it that its prefix cache still holds."""
+        prefix, served, tokens = self.engine.engine.prefix, self.served, dict(self.served.tokens)
+
+        def look_up() -> tuple[int, dict[str, int]]:  # on the step thread, whose the trie is
+            if prefix is None:
+                return 0, dict.fromkeys(tokens, 0)
+            evicted = prefix.num_evicted_pages
+            return evicted, {k: prefix.resumable_len(ids) for k, ids in served.to_look_up(tokens, evicted).items()}
+
+        evicted, looked_up = await self.engine.between_steps(look_up)
+        return serve.get_replica_context().replica_id.unique_id, served.held_blocks(looked_up, evicted, request.block_chars)
 
     # ---- plumbing shared by the endpoints -------------------------------------------------
 
@@ -319,6 +348,8 @@ class SalaServer:
                 for j in range(n):
                     seeded = replace(params, seed=params.seed + j) if params.seed is not None else params
                     streams.append(self.engine.submit(ids, seeded, ids_of[k][j] if ids_of else None))
+                if k == 0 and (key := ServedPrompts.relayed_key.get()) is not None:  # the router's key is the first prompt's
+                    self.served.add(key, ids)
         except BaseException:
             for s in streams:
                 s.cancel()
@@ -408,6 +439,15 @@ class SalaServer:
     @api.post("/abort_request")
     async def abort_request(self, request: Request) -> Response:
         return await self._handle("abort", request, AbortRequest, self._abort)
+
+    @api.post("/flush_cache")
+    async def flush_cache(self, request: Request) -> Response:
+        """SGLang's /flush_cache: drop every cached prefix page no running request holds."""
+        async def handler(_):
+            prefix = self.engine.engine.prefix
+            return JSONResponse({"flushed_pages": await self.engine.between_steps(prefix.flush) if prefix else 0})
+
+        return await self._handle("flush_cache", request, None, handler)
 
     @api.get("/get_model_info")
     async def get_model_info(self, request: Request) -> Response:
@@ -639,14 +679,15 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     makes a request's logprobs bitwise independent of the rest of the batch (evaluation mode, slower).
     With several replicas (num_replicas > 1, or an autoscaling_config) and prefix_routing, requests
     sharing a prompt prefix go to the replica caching it (serve/router.py; prefix_routing_options are
-    PrefixAffinityRouter's: block_chars, max_blocks, imbalanced_threshold, min_match_rate); without
+    PrefixAffinityRouter's: block_chars, max_blocks, imbalanced_threshold, min_match_rate,
+    refresh_interval_s); without
     prefix_routing Serve's power of two choices spreads them."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     if prefix_routing_options and not prefix_routing:
         raise ValueError("prefix_routing_options given with prefix_routing off: drop them or turn prefix_routing on")
-    RoutingOptions(**(prefix_routing_options or {}))  # a bad option fails here, not in the router
+    routing = RoutingOptions(**(prefix_routing_options or {}))  # a bad option fails here, not in the router
     if model is None:  # tiny-sala, built here if need be: a replica only ever resolves, never trains
         from sala.tiny import ensure_tiny_sala
 
@@ -666,7 +707,8 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
         model, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
         max_tokens_limit=max_tokens_limit, num_threads=num_threads, num_gpus=num_gpus, deterministic=deterministic,
         engine_kwargs=engine_kwargs)
-    return PrefixRoutingIngress.bind(server, max_body_bytes=max_body_bytes) if routed else server
+    return (PrefixRoutingIngress.bind(server, max_body_bytes=max_body_bytes, refresh_interval_s=routing.refresh_interval_s)
+            if routed else server)
 
 
 def app_builder(args: dict):

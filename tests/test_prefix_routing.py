@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.router import PrefixMap, RoutingOptions, prompt_key
+from serve.router import PrefixMap, RoutingOptions, ServedPrompts, block_hashes, prompt_key
 from tests.conftest import serve_tiny_sala
 
 
@@ -37,6 +37,31 @@ def test_prefix_map_evicts_least_recent_leaves_first():
     assert len(m.holders) == 3 and sum(m.num_held.values()) == 3
 
 
+def test_prefix_map_forgets_what_a_replica_no_longer_holds():
+    m = PrefixMap(block_chars=4, max_blocks=100)
+    m.insert("abcdefgh", "r1", now=1.0)
+    m.insert("abcdefgh", "r2", now=1.0)
+    m.insert("abcdWXYZ", "r1", now=3.0)  # routed after the question below was asked
+    held = set(block_hashes("abcdefgh", 4, limit=7))  # r1 reports holding only "abcd"
+    assert m.forget_unheld("r1", held, asked_at=2.0) == 1  # "efgh"; "WXYZ" was sent since: kept
+    assert m.match("abcdefgh", ["r1", "r2"]) == {"r1": 4, "r2": 8}
+    assert m.match("abcdWXYZ", ["r1"]) == {"r1": 8}
+    assert m.num_held == {"r1": 2, "r2": 2}
+
+
+def test_served_prompts_report_the_blocks_still_cached():
+    doc, running = "x" * 40 + "A", "running " * 4  # 41 and 32 characters
+    sp = ServedPrompts()
+    sp.add(doc, list(range(10)))
+    sp.begin(running)  # in flight, its tokens not yet recorded: all of it is about to be held
+    # 5 of doc's 10 tokens resumable: its first 20 characters, 5 blocks of 4
+    assert sp.held_blocks({doc: 5}, 0, 4) == block_hashes(doc, 4)[:5] + block_hashes(running, 4)
+    assert sp.to_look_up(dict(sp.tokens), 0) == {}  # nothing evicted since: no new look-up
+    assert list(sp.to_look_up(dict(sp.tokens), 3)) == [doc]
+    sp.end(running)
+    assert sp.held_blocks({doc: 0}, 3, 4) == [] and not sp.tokens  # evicted, and forgotten
+
+
 def test_prompt_key_per_endpoint():
     assert prompt_key("/v1/completions", b'{"prompt": "doc q"}') == "doc q"
     assert prompt_key("/v1/completions", b'{"prompt": ["first", "second"]}') == "first"
@@ -49,7 +74,7 @@ def test_prompt_key_per_endpoint():
 
 
 def test_routing_options_refuse_bad_values():
-    for bad in ({"block_chars": 0}, {"imbalanced_threshold": -1}, {"min_match_rate": 2}):
+    for bad in ({"block_chars": 0}, {"imbalanced_threshold": -1}, {"min_match_rate": 2}, {"refresh_interval_s": -1}):
         with pytest.raises(ValueError):
             RoutingOptions(**bad)
     with pytest.raises(TypeError, match="nonsense"):
@@ -65,7 +90,8 @@ def test_routing_options_refuse_bad_values():
 @pytest.fixture(scope="module")
 def routed_server(tiny_sala_dir):
     yield from serve_tiny_sala(tiny_sala_dir, "routed", num_replicas=2, prefix_routing=True, compile=False,
-                               prefix_snapshot_interval=128, max_tokens_limit=256)
+                               prefix_snapshot_interval=128, max_tokens_limit=256,
+                               prefix_routing_options={"refresh_interval_s": 0.2})
 
 
 def documents(model_dir, tokenizer, n: int, tokens: int) -> list[str]:
@@ -111,17 +137,47 @@ def test_relay_passes_streams_and_errors_through(routed_server):
 
 
 def replica_metrics(http: httpx.Client) -> dict[str, dict]:
-    """/metrics of both replicas. GET requests carry no prompt: they take the power of two choices
-    (the idle replica, or either when both are), so ask until both have answered."""
-    seen = {}
-    for _ in range(60):
-        r = http.get("/metrics")
-        seen[r.headers["x-sala-replica"]] = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                                             for f in text_string_to_metric_families(r.text) for s in f.samples}
-        if len(seen) == 2:
-            return seen
-        time.sleep(0.05)
-    raise AssertionError(f"only {list(seen)} answered /metrics")
+    """/metrics through the ingress: every replica's series, told apart by their `replica` label
+    (the same ids as the responses' x-sala-replica), by replica."""
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    seen: dict[str, dict] = {}
+    for f in text_string_to_metric_families(r.text):
+        for s in f.samples:
+            labels = dict(s.labels)
+            seen.setdefault(labels.pop("replica"), {})[(s.name, tuple(sorted(labels.items())))] = s.value
+    return seen
+
+
+def test_metrics_and_aborts_reach_every_replica(routed_server, tiny_sala_dir, tokenizer):
+    """One scrape holds both replicas' series; /abort_request aborts a request on whichever replica
+    holds it (the two streams are on different replicas: two distinct prompts spread)."""
+    doc_a, doc_b = documents(tiny_sala_dir, tokenizer, 2, 400)
+    gen = {"stream": True, "sampling_params": {"max_new_tokens": 250, "ignore_eos": True}}
+    with httpx.Client(base_url=routed_server, timeout=120) as http:
+        before = replica_metrics(http)
+        assert len(before) == 2, list(before)
+        with http.stream("POST", "/generate", json=gen | {"text": doc_a + "\nAbort me", "rid": "abort-a"}) as ra, \
+                http.stream("POST", "/generate", json=gen | {"text": doc_b + "\nAbort me too", "rid": "abort-b"}) as rb:
+            replicas = {"abort-a": ra.headers["x-sala-replica"], "abort-b": rb.headers["x-sala-replica"]}
+            assert set(replicas.values()) == set(before), replicas
+            lines = {rid: r.iter_lines() for rid, r in (("abort-a", ra), ("abort-b", rb))}
+            for it in lines.values():
+                assert next(line for line in it if line.startswith("data: "))  # both are generating
+            assert http.post("/abort_request", json={"rid": "abort-b"}).json() == {"aborted": ["abort-b"]}
+            assert http.post("/abort_request", json={"abort_all": True}).json() == {"aborted": ["abort-a"]}
+            for rid, it in lines.items():
+                events = [json.loads(line[6:]) for line in it if line.startswith("data: ") and line != "data: [DONE]"]
+                assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort"}, rid
+                assert events[-1]["meta_info"]["completion_tokens"] < 250, rid
+        bad = http.post("/abort_request", json={})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
+        after = replica_metrics(http)
+    cancelled = ("sala_finished_requests_total", (("reason", "cancelled"),))
+    for rid, replica in replicas.items():
+        assert after[replica][cancelled] == before[replica][cancelled] + 1, rid
+    generated = ("sala_generation_tokens_total", ())
+    assert all(after[r][generated] > before[r][generated] for r in before)
 
 
 def test_a_client_leaving_cancels_its_request_through_the_relay(routed_server):
@@ -140,3 +196,25 @@ def test_a_client_leaving_cancels_its_request_through_the_relay(routed_server):
             time.sleep(0.1)
         assert after[replica][running] == 0
         assert after[replica][cancelled] == before[replica][cancelled] + 1, "the request ran on after its client left"
+
+
+def test_the_router_forgets_what_replicas_evict(routed_server, tiny_sala_dir, tokenizer):
+    """Replicas report what they hold: a served document stays in the router's view across
+    refreshes, and once the replicas flush their caches it leaves it."""
+    view = ("sala_router_prefix_blocks", ())
+    pages = ("sala_prefix_cache_pages", ())
+    (doc,) = documents(tiny_sala_dir, tokenizer, 1, 400)
+    with httpx.Client(base_url=routed_server, timeout=120) as http:
+        r = http.post("/v1/completions", json={"prompt": doc + "\nOnce more?", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        time.sleep(0.6)  # a few refreshes
+        replica = r.headers["x-sala-replica"]
+        assert replica_metrics(http)[replica][view] >= len(doc) // 256 - 1, "the replica still holds the document"
+        assert http.post("/flush_cache").json()["flushed_pages"] > 0
+        for _ in range(50):
+            after = replica_metrics(http)
+            if all(m[view] == 0 for m in after.values()):
+                break
+            time.sleep(0.1)
+    assert all(m[pages] == 0 for m in after.values())
+    assert {r: m[view] for r, m in after.items()} == dict.fromkeys(after, 0)

@@ -22,6 +22,8 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6"]  # the gate at its defaults
+# Runs that check bytes, not the gate's figures, score 8 prompts instead of the gate's 64.
+FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 GATE_PASSED = re.compile(r"gate \(KL <= [\d.]+, flips <= \d+%, cosine >= [\d.]+\) passed")
 pytestmark = pytest.mark.slow
 
@@ -229,18 +231,23 @@ def wait_until(condition, proc, err, timeout=300):
 
 def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path, plan_file):
     """Ctrl-C (SIGINT to the driver) once layer 3 is saved: exit 130, nothing at the output, the
-    finished layers kept; the same command again reuses them and writes the same bytes."""
+    finished layers kept; the same command again reuses them and writes the same bytes. It resumes
+    on one worker: the Hessians are summed per calibration shard in shard order, so the worker
+    count (1 here against sequential_run's 2) changes the time, not a byte of the checkpoint."""
     out = tmp_path / "resumed"
-    args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", "--kv-plan", str(plan_file), *SMALL]
+    args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", "--kv-plan", str(plan_file),
+            *FEW_GATE_PROMPTS]
     layers_dir = out.with_name(f".{out.name}.layers")
-    proc, _, err = start_pipeline(env, *args)
+    proc, lines, err = start_pipeline(env, *args)
     wait_until(lambda: (layers_dir / "layer_003.json").exists(), proc, err)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130, "".join(err)[-3000:]
     assert not out.exists()
     kept = sorted(int(p.stem.split("_")[1]) for p in layers_dir.glob("layer_*.json"))
     assert kept[:4] == [0, 1, 2, 3] and len(kept) < 8, kept
-    second = run_pipeline(env, *args)
+    assert "workers    2 Ray actors" in "".join(lines) and "workers    2 Ray actors" in sequential_run[1].stdout
+    second = run_pipeline(env, *args, "--workers", "1")
+    assert "workers    1 Ray actors" in second.stdout
     assert f"reusing {len(kept)} finished layer(s) {kept}" in second.stdout
     assert weights_sha(out) == weights_sha(sequential_run[0])
     assert not layers_dir.exists()
@@ -251,7 +258,7 @@ def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_
     replays the quantized layers before its pending call, and the checkpoint is the same bytes."""
     out = tmp_path / "faulty"
     proc, lines, err = start_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--no-register",
-                                      "--kv-plan", str(plan_file), *SMALL)
+                                      "--kv-plan", str(plan_file), *FEW_GATE_PROMPTS)
     layers_dir = out.with_name(f".{out.name}.layers")
     wait_until(lambda: (layers_dir / "layer_002.json").exists(), proc, err)
     assert not (layers_dir / "layer_007.json").exists()  # the kill lands mid-quantization
@@ -264,14 +271,18 @@ def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_
     assert GATE_PASSED.search("".join(lines))
 
 
-def test_one_worker_writes_the_same_bytes_as_two(env, sequential_run, tiny_sala_dir, tmp_path, plan_file):
-    """The Hessians are summed per calibration shard in shard order, so the worker count (here 1
-    against sequential_run's 2) changes the time, not a byte of the checkpoint."""
-    assert "workers    2 Ray actors" in sequential_run[1].stdout
-    one = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(tmp_path / "one"), "--workers", "1",
-                       "--no-register", "--kv-plan", str(plan_file), *SMALL)
-    assert "workers    1 Ray actors" in one.stdout
-    assert weights_sha(tmp_path / "one") == weights_sha(sequential_run[0])
+def run_main(env, monkeypatch, capsys, *args, extra_env=None) -> tuple[int, str]:
+    """The CLI's main() in this process: the checks that refuse bad input run before anything is
+    imported that this process has not imported already, so a subprocess would time only imports
+    (about 6 s a case); `python pipelines/quantize.py` itself runs in the tests above."""
+    from pipelines.quantize import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for k, v in {**env, **(extra_env or {})}.items():
+        if k in ("SALA_HOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+            monkeypatch.setenv(k, v)
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -287,26 +298,26 @@ def test_one_worker_writes_the_same_bytes_as_two(env, sequential_run, tiny_sala_
         (["--kv-plan", "{tmp}/bad_plan.json"], "layer 0: unknown kv format 'int4'"),
     ],
 )
-def test_bad_input_fails_fast_with_one_line(env, tiny_sala_dir, tmp_path, args, needle):
+def test_bad_input_fails_fast_with_one_line(env, tiny_sala_dir, tmp_path, args, needle, monkeypatch, capsys):
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad_plan.json").write_text('{"layers": [{"layer": 0, "kind": "sparse", "kv": "int4"}]}')
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     if "--model" not in args:
         args = ["--model", str(tiny_sala_dir), *args]
-    r = run_pipeline(env, *args, check=False)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert needle in r.stderr and "Traceback" not in r.stderr
-    assert "quantizing layers" not in r.stderr  # refused before any expensive work
+    code, err = run_main(env, monkeypatch, capsys, *args)
+    assert code == 2, err[-2000:]
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert "quantizing layers" not in err  # refused before any expensive work
 
 
-def test_unreachable_mlflow_and_ray(env, tiny_sala_dir):
-    r = run_pipeline(env, "--model", str(tiny_sala_dir), check=False,
-                     extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
-    assert r.returncode == 2 and "unreachable" in r.stderr
-    r = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", "/tmp/sala-unused-out", check=False,
-                     extra_env={"RAY_ADDRESS": "127.0.0.1:9"})
-    assert r.returncode == 2 and "cannot reach Ray" in r.stderr
+def test_unreachable_mlflow_and_ray(env, tiny_sala_dir, monkeypatch, capsys):
+    code, err = run_main(env, monkeypatch, capsys, "--model", str(tiny_sala_dir),
+                         extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
+    assert code == 2 and "unreachable" in err
+    code, err = run_main(env, monkeypatch, capsys, "--model", str(tiny_sala_dir), "--output", "/tmp/sala-unused-out",
+                         extra_env={"RAY_ADDRESS": "127.0.0.1:9"})
+    assert code == 2 and "cannot reach Ray" in err
 
 
 def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
@@ -327,7 +338,7 @@ def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
              "--runtime-env-json", json.dumps({"env_vars": {k: e[k] for k in ("SALA_HOME", "MLFLOW_TRACKING_URI")},
                                                "excludes": [".venv", ".git"]}),
              "--", "python", "pipelines/quantize.py", "--model", str(tiny_sala_dir), "--output", str(out),
-             "--no-register", "--mode", "parallel", *SMALL],
+             "--no-register", "--mode", "parallel", *FEW_GATE_PROMPTS],
             env=e, capture_output=True, text=True, timeout=600)
     finally:
         subprocess.run([ray_bin, "stop", "--force"], env=e, capture_output=True)

@@ -405,11 +405,26 @@ class AsyncEngine:
         self.wakeup = threading.Event()
         self.stopping = False
         self.streams: dict[str, RequestStream] = {}
+        self.calls: deque[tuple[Callable, asyncio.Future]] = deque()
         self.thread = threading.Thread(target=self._loop, name="sala-engine", daemon=True)
         self.thread.start()
 
+    def between_steps(self, fn: Callable):
+        """Await fn() run on the step thread between two steps, where the cache is not in use."""
+        future = asyncio.get_running_loop().create_future()
+        self.calls.append((fn, future))
+        self.wakeup.set()
+        return future
+
     def _loop(self) -> None:
         while not self.stopping:
+            while self.calls:
+                fn, future = self.calls.popleft()
+                try:
+                    result, error = fn(), None
+                except Exception as e:
+                    result, error = None, e
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
             if not self.engine.has_work():
                 self.wakeup.wait()
                 self.wakeup.clear()
@@ -444,6 +459,11 @@ class AsyncEngine:
         self.stopping = True
         self.wakeup.set()
         self.thread.join(timeout=10)
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if not future.done():  # its awaiter may have gone
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 class RequestStream:

@@ -108,10 +108,18 @@ class PrefixCache:
         """The deepest snapshot req can resume from: at most its tokens less one (the last must
         be computed for its logits), and no further than the first prompt position whose
         logprob it asked for."""
-        tokens = req.token_slice(0, req.num_tokens)
         limit = req.num_tokens - 1
         if req.prompt_logprobs_next is not None:
             limit = min(limit, req.prompt_logprobs_next)
+        return self._deepest(req.token_slice(0, req.num_tokens), limit)
+
+    def resumable_len(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` a request could take from the cache now (what a
+        replica reports holding to the router); touches nothing."""
+        hit = self._deepest(tokens, len(tokens))
+        return hit.length if hit is not None else 0
+
+    def _deepest(self, tokens: list[int], limit: int) -> Hit | None:
         ps, node, path, best = self.page_size, self.root, [], None
         while True:
             pos = len(path) * ps
@@ -287,6 +295,12 @@ class PrefixCache:
         if short > 0:
             self.evict(short)
         return True
+
+    def flush(self) -> int:
+        """Evict every cached page no request holds (SGLang's /flush_cache); how many went."""
+        n = self.num_evictable
+        self.evict(n)
+        return n
 
     def evict(self, n_pages: int) -> None:
         """Give n_pages cached pages back to the pool, least recently used leaves first."""
