@@ -13,7 +13,9 @@ dynamic batch size and page count); on CUDA it is replayed from CUDA graphs capt
 bucketed batch sizes over persistent input buffers (padding rows write the scratch page and
 state slot). Tree-verify steps with no prompt chunk are compiled the same way on CPU (dynamic
 request count and committed length; the tree's shape is fixed per engine), so a verify step
-competes with a compiled decode step, not an eager one. Steps that carry prompt chunks run
+competes with a compiled decode step, not an eager one. For a batch of greedy requests without
+logprobs, what follows the forward (acceptance, commit, bonus token, next drafts) is a second
+compiled graph (CompiledGreedySpeculation), read back once. Steps that carry prompt chunks run
 eagerly through the same forward.
 
 Batch invariance (engine.md, Determinism) is a mode, `batch_invariant=True`: a request's logits
