@@ -52,7 +52,9 @@ class TreeStep:
     num_requests: int
     depths: torch.Tensor  # [T]
     ancestor_mask: torch.Tensor  # [T, T] bool, ancestor-or-self
-    kv_rows: torch.Tensor  # [R, W] pool rows of each request's committed positions, padded with the scratch row
+    # [R, W] pool rows of positions 0 .. W - 1, W >= committed + the deepest path (the scratch row where a request has
+    # no page): attention reads the first kv_lens, the commit writes the accepted path's after them (path_rows)
+    kv_rows: torch.Tensor
     kv_lens: torch.Tensor  # [R] committed tokens
     state_slots: torch.Tensor  # [R]
     saved: dict = field(default_factory=dict)  # layer -> what commit_tree needs ((k, v), or node states), filled by the forward
@@ -62,6 +64,13 @@ class TreeStep:
     @property
     def num_nodes(self) -> int:
         return self.depths.shape[0]
+
+    def path_rows(self, lengths: torch.Tensor, width: int, scratch_row: int) -> torch.Tensor:
+        """[R, width] pool rows of each request's next `width` positions, the scratch row from its
+        accepted length (lengths [R]) on: where commit_tree writes an accepted path's K/V."""
+        j = torch.arange(width, device=lengths.device)
+        rows = self.kv_rows.gather(1, self.kv_lens[:, None] + j)
+        return torch.where(j < lengths[:, None], rows, torch.full_like(rows, scratch_row))
 
     @property
     def num_rows(self) -> int:

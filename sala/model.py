@@ -321,7 +321,8 @@ class SparseAttention(QKVOProjections):
         return o.to(q.dtype).transpose(0, 1).flatten(1, 2)
 
     def commit_tree(self, ctx, nodes: torch.Tensor, dest_rows: torch.Tensor) -> None:
-        """Write the accepted nodes' K/V (nodes [M] flat indices r * T + i) at pool rows dest_rows [M]."""
+        """Write nodes' K/V (nodes [M] flat indices r * T + i) at pool rows dest_rows [M] (the scratch row for
+        nodes not accepted)."""
         kt, vt = ctx.tree.saved.pop(self.layer_idx)
         for saved, pages in ((kt, ctx.cache.k[self.layer_idx]), (vt, ctx.cache.v[self.layer_idx])):
             pages.write(dest_rows, saved.transpose(1, 2).flatten(0, 1)[nodes])  # [M, Hkv, D], quantized by the format
@@ -631,16 +632,16 @@ class SALAModel(SALAPreTrainedModel):
 
     def commit_tree(self, ctx, paths: torch.Tensor, lengths: torch.Tensor, dest_rows: torch.Tensor) -> None:
         """After a tree-verify forward with step context `ctx`: commit each request's accepted path (paths [R, P] node
-        indices root first, lengths [R]) into the pools; dest_rows [sum(lengths)] are the pool rows
-        of the accepted tokens' positions, request by request."""
+        indices root first, lengths [R]) into the pools; dest_rows [R, P] are the pool rows of the path's positions,
+        the scratch row past each request's length (TreeStep.path_rows). Fixed shapes, no host sync: the compiled
+        verify step commits in its own graph."""
         t = ctx.tree.num_nodes
-        keep = torch.arange(paths.shape[1], device=paths.device)[None] < lengths[:, None]
-        nodes = (paths + t * torch.arange(paths.shape[0], device=paths.device)[:, None])[keep]
+        nodes = (paths.clamp(min=0) + t * torch.arange(paths.shape[0], device=paths.device)[:, None]).flatten()
         for layer in self.layers:
             if layer.is_lightning:
                 layer.self_attn.commit_tree(ctx, paths, lengths)
             else:
-                layer.self_attn.commit_tree(ctx, nodes, dest_rows)
+                layer.self_attn.commit_tree(ctx, nodes, dest_rows.flatten())
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v/gate and gate/up into one GEMM each, in place. Parameter names change, so

@@ -143,9 +143,9 @@ def test_sampling_with_typical_acceptance_is_seeded_and_mixes_with_greedy(base, 
 
 
 def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sala_dir):
-    """On CPU the verify step runs compiled (runner.CompiledTreeVerify: one graph for a single
-    request's tree, one for several); its greedy output is plain greedy's, at one and two requests
-    a step, and the graphs really ran."""
+    """On CPU a greedy batch's whole speculative step runs compiled (runner.CompiledGreedySpeculation:
+    verify, acceptance, commit and drafting in one graph for a single request's tree, one for
+    several); its output is plain greedy's, at one and two requests a step, and the graphs really ran."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
@@ -153,10 +153,10 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     plain = Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False).generate(prompts[:6], params)
     engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads))
     engine.warmup()
-    fast = engine.runner.fast_tree
-    assert fast.compiled and not fast.failed, "the compiled verify step did not run"
+    fast = engine.runner.fast_greedy
+    assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
     calls = []
-    fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)
+    fast.fn = (lambda fn: lambda *a: calls.append(a[2].shape[0]) or fn(*a))(fast.fn)  # a[2]: the tree tokens [R, T]
     single = engine.generate(prompts[:1], params)
     pair = engine.generate(prompts[1:6], params)
     assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]

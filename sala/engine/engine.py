@@ -142,7 +142,7 @@ class Engine:
                                    exact_recompute=batch_invariant)
         if self.tree is not None:
             self.scheduler.decode_tokens, self.scheduler.lookahead = decode_tokens, self.tree.max_depth
-        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.tree)
+        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.tree, self.medusa)
         self.eos_ids = stop_token_ids(model, tokenizer)
         # Running totals for monitoring: tokens generated and finishes by the step thread, prompt tokens on add.
         self.num_prompt_tokens = 0
@@ -196,7 +196,8 @@ class Engine:
         and batch jobs call this at start-up. A no-op for the eager and evaluation modes."""
         if self.runner.fast_decode is not None:
             prompt = [self.config.bos_token_id or 0]
-            # Medusa: verify steps of one request and of several are two graphs (see CompiledTreeVerify).
+            # Medusa: greedy steps of one request and of several are two graphs (see CompiledTreeVerify);
+            # a batch with a sampled or logprobs request compiles its verify-only graph when it first runs.
             for n in (1, 2) if self.runner.fast_tree is not None and self.cache.plan.max_seqs > 1 else (1,):
                 self.generate([prompt] * n, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 
@@ -276,9 +277,12 @@ class Engine:
             self.prefix.after_step(([] if step.verified else sched.decodes) + [r for r, _, _ in sched.prefills])
         hidden = step.hidden
         if step.verified:
-            n_tree = len(step.verified) * self.tree.num_nodes
-            self._verify(step, logits[:n_tree], hidden[:n_tree])
-            logits, hidden = logits[n_tree:], hidden[n_tree:]
+            if step.speculated is not None:  # a pure verify step: no other rows
+                self._verify(step, logits, hidden)
+            else:
+                n_tree = len(step.verified) * self.tree.num_nodes
+                self._verify(step, logits[:n_tree], hidden[:n_tree])
+                logits, hidden = logits[n_tree:], hidden[n_tree:]
         n = len(step.sampled)
         if self.medusa is not None and n:
             drafts = self._draft(hidden[:n])
@@ -306,23 +310,29 @@ class Engine:
         return self.medusa.draft_tokens(hidden, self.model.lm_head)
 
     def _verify(self, step, logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Accept, commit and emit the verified trees (logits / hidden: their R * T rows)."""
+        """Accept, commit and emit the verified trees (logits / hidden: their R * T rows; none when
+        the compiled step already accepted, committed and drafted: step.speculated)."""
         reqs, t = step.verified, self.tree.num_nodes
-        logits, hidden = logits.view(len(reqs), t, -1), hidden.view(len(reqs), t, -1)
-        left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs], device=self.device)
-        acc = medusa_accept.accept(self.tree, step.tree_tokens, logits, [r.params for r in reqs], left, *self.typical)
-        lengths = acc.lengths.tolist()
-        dest = torch.cat([self.cache.rows(r, r.num_computed, r.num_computed + n) for r, n in zip(reqs, lengths)])
-        self.model.model.commit_tree(step.context, acc.paths, acc.lengths, dest)
-        rows = torch.arange(len(reqs), device=self.device)
-        last = acc.last_nodes()
-        bonus = sample(logits[rows, last], reqs, self.eos_ids)
-        drafts = self._draft(hidden[rows, last])
-        paths, tree_tokens = acc.paths.tolist(), step.tree_tokens.tolist()
-        for i, (r, n) in enumerate(zip(reqs, lengths)):
+        if step.speculated is not None:
+            emitted, drafts = step.speculated
+        else:
+            logits, hidden = logits.view(len(reqs), t, -1), hidden.view(len(reqs), t, -1)
+            left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs], device=self.device)
+            acc = medusa_accept.accept(self.tree, step.tree_tokens, logits, [r.params for r in reqs], left, *self.typical)
+            tree = step.context.tree
+            dest = tree.path_rows(acc.lengths, self.tree.retrieve_indices.shape[1], self.cache.scratch_row)
+            self.model.model.commit_tree(step.context, acc.paths, acc.lengths, dest)
+            rows = torch.arange(len(reqs), device=self.device)
+            last = acc.last_nodes()
+            bonus = torch.tensor(sample(logits[rows, last], reqs, self.eos_ids), device=self.device)
+            drafts = self._draft(hidden[rows, last])
+            emitted = torch.cat([acc.lengths[:, None], step.tree_tokens.gather(1, acc.paths.clamp(min=0)), bonus[:, None]], 1)
+            paths = acc.paths.tolist()
+        for i, (r, row) in enumerate(zip(reqs, emitted.tolist())):  # the step's one read-back
+            n = row[0]
             r.num_computed += n
             r.drafts = drafts[i]
-            tokens = [tree_tokens[i][node] for node in paths[i][1:n]] + [bonus[i]]
+            tokens = row[2 : 1 + n] + [row[-1]]  # the accepted drafts (the root was emitted last step), the bonus
             for stats in (r.spec, self.spec):
                 stats.verify_steps += 1
                 stats.draft_tokens += t - 1
@@ -331,7 +341,7 @@ class Engine:
                 for d in range(n - 1):
                     stats.accepted_per_depth[d] += 1
             scored = [None] * n
-            if r.params.logprobs is not None:  # token j is scored by the logits of the node before it
+            if r.params.logprobs is not None:  # token j is scored by the logits of the node before it (eager path only)
                 scored = token_logprobs(logits[i, paths[i][:n]], tokens, [r.params.logprobs] * n)
             for token, lp in zip(tokens, scored):
                 self._append(r, token, lp)

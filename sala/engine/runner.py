@@ -13,7 +13,9 @@ dynamic batch size and page count); on CUDA it is replayed from CUDA graphs capt
 bucketed batch sizes over persistent input buffers (padding rows write the scratch page and
 state slot). Tree-verify steps with no prompt chunk are compiled the same way on CPU (dynamic
 request count and committed length; the tree's shape is fixed per engine), so a verify step
-competes with a compiled decode step, not an eager one. Steps that carry prompt chunks run
+competes with a compiled decode step, not an eager one. For a batch of greedy requests without
+logprobs, what follows the forward (acceptance, commit, bonus token, next drafts) is a second
+compiled graph (CompiledGreedySpeculation), read back once. Steps that carry prompt chunks run
 eagerly through the same forward.
 
 Batch invariance (engine.md, Determinism) is a mode, `batch_invariant=True`: a request's logits
@@ -67,20 +69,25 @@ class StepRows:
     tree_tokens: torch.Tensor | None = None  # [R, T] the tokens verified
     context: StepContext | None = None  # a tree verify's context, for commit_tree
     hidden: torch.Tensor | None = None  # Medusa: the heads' input (hidden / logit divisor) of every logits row
+    # A greedy batch's verify, accepted, committed and drafted inside the compiled step
+    # (CompiledGreedySpeculation's emitted and drafts); the step then has no tree logits rows.
+    speculated: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
     def __init__(self, model, cache: CachePool, batch_invariant: bool = False, compile: bool = True, max_decode_batch: int = 32,
-                 tree=None):
+                 tree=None, medusa=None):
         self.model, self.cache, self.batch_invariant = model, cache, batch_invariant
         self.device = cache.device
         self.tree = tree  # a MedusaTree on the device: decodes are tree verifies
+        self.medusa = medusa  # the MedusaHeads drafting the trees
         self.compile_seconds: float | None = None
-        self.fast_decode = self.fast_tree = None
+        self.fast_decode = self.fast_tree = self.fast_greedy = None
         if compile and not batch_invariant:
             self.fast_decode = CudaGraphDecode(self, max_decode_batch) if self.device.type == "cuda" else CompiledDecode(self)
             if tree is not None and self.device.type == "cpu":
                 self.fast_tree = CompiledTreeVerify(self)
+                self.fast_greedy = CompiledGreedySpeculation(self) if medusa is not None else None
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, sched: Schedule) -> tuple[torch.Tensor, StepContext, list[int], StepRows]:
@@ -106,19 +113,27 @@ class ModelRunner:
     def _prepare_tree(self, sched: Schedule):
         cache, dev, tree = self.cache, self.device, self.tree
         dec, t = sched.decodes, self.tree.num_nodes
-        candidates = torch.stack([torch.cat([torch.tensor([r.last_token], device=dev), r.drafts.flatten()]) for r in dec])
+        roots = torch.tensor([r.last_token for r in dec], device=dev)
+        candidates = torch.cat([roots[:, None], torch.stack([r.drafts for r in dec]).flatten(1)], 1)
         tokens = candidates[:, tree.candidate_indices]  # [R, T]
         computed = torch.tensor([r.num_computed for r in dec], device=dev)
-        width = max(max(r.num_computed for r in dec), 1)
-        kv_rows = torch.full((len(dec), width), cache.scratch_row, dtype=torch.long, device=dev)
-        for i, r in enumerate(dec):
-            kv_rows[i, : r.num_computed] = cache.rows(r, 0, r.num_computed)
+        # Rows of every committed position and of the deepest path after them (the commit's destinations).
+        width = max(r.num_computed for r in dec) + tree.retrieve_indices.shape[1]
+        pages = -(-width // cache.page_size)
+        tables = torch.tensor([r.pages[:pages] + [cache.scratch_page] * (pages - len(r.pages[:pages])) for r in dec],
+                              device=dev)
+        pos = torch.arange(width, device=dev)
+        kv_rows = tables[:, pos // cache.page_size] * cache.page_size + pos % cache.page_size
         ctx = StepContext(cache, None, None, batch_invariant=self.batch_invariant)
         ctx.tree = TreeStep(len(dec), tree.depths, tree.ancestor_mask, kv_rows, computed,
                             torch.tensor([r.state_slot for r in dec], device=dev), parents=tree.parents, levels=tree.levels)
         rows = StepRows([], [], list(dec), tokens, ctx)
-        ids = tokens.flatten().tolist()
-        pos = (computed[:, None] + tree.depths).flatten().tolist()
+        positions = computed[:, None] + tree.depths
+        if not sched.prefills:  # a pure verify step: its inputs as tensors, no round trip through lists
+            ctx.positions = positions.flatten()
+            ctx.slot_mapping = torch.full((len(dec) * t,), cache.scratch_row, dtype=torch.long, device=dev)
+            return tokens.flatten(), ctx, list(range(len(dec) * t)), rows
+        ids, pos = tokens.flatten().tolist(), positions.flatten().tolist()
         slot_parts = [torch.full((len(ids),), cache.scratch_row, dtype=torch.long, device=dev)]
         ids, ctx, logit_rows, rows = self._add_prefills(sched, ids, pos, slot_parts, ctx, [], rows, len(ids))
         return ids, ctx, list(range(len(dec) * t)) + logit_rows, rows
@@ -173,6 +188,16 @@ class ModelRunner:
                 return rows, logits
         if self.tree is None:
             return rows, self.forward(ids, ctx, logit_rows)
+        if self.fast_greedy is not None and ctx.tree is not None and not ctx.prefills \
+                and all(r.params.greedy and r.params.logprobs is None for r in rows.verified):
+            out = self.fast_tree(ids, ctx)
+            if out is not None:
+                left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in rows.verified], device=self.device)
+                rows.speculated = self.fast_greedy(*out, ids, ctx, left)
+                if rows.speculated is not None:
+                    return rows, torch.empty(0, self.model.config.vocab_size, device=self.device)
+                rows.hidden, logits = out
+                return rows, logits
         if self.fast_tree is not None and ctx.tree is not None and not ctx.prefills:
             out = self.fast_tree(ids, ctx)
             if out is not None:
@@ -290,29 +315,79 @@ class CompiledTreeVerify(CompiledStep):
     # committed width static.
     MIN_ROWS = 1
 
-    def _step(self, ids, positions, kv_rows, kv_lens, state_slots):
+    def _forward(self, ids, positions, kv_rows, kv_lens, state_slots):
         runner, tree = self.runner, self.runner.tree
         ctx = StepContext(runner.cache, positions.flatten(), torch.full_like(positions.flatten(), runner.cache.scratch_row))
         ctx.tree = TreeStep(ids.shape[0], tree.depths, tree.ancestor_mask, kv_rows, kv_lens, state_slots,
                             parents=tree.parents, levels=self.levels)
         hidden = runner.model.model(ids.flatten()[None], context=ctx)[0] / runner.model.config.logit_divisor
-        return hidden, runner.model.lm_head(hidden).float(), [ctx.tree.saved[i] for i in sorted(ctx.tree.saved)]
+        return hidden, runner.model.lm_head(hidden).float(), ctx
 
-    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _step(self, ids, positions, kv_rows, kv_lens, state_slots):
+        hidden, logits, ctx = self._forward(ids, positions, kv_rows, kv_lens, state_slots)
+        return hidden, logits, [ctx.tree.saved[i] for i in sorted(ctx.tree.saved)]
+
+    def _inputs(self, ids: torch.Tensor, ctx: StepContext) -> list[torch.Tensor]:
         c, tree = self.runner.cache, ctx.tree
         r, t = tree.num_requests, tree.num_nodes
         kv_rows = tree.kv_rows
         if kv_rows.shape[1] < self.MIN_WIDTH:
             kv_rows = torch.cat([kv_rows, kv_rows.new_full((r, self.MIN_WIDTH - kv_rows.shape[1]), c.scratch_row)], 1)
-        inputs = [ids.view(r, t), ctx.positions.view(r, t), kv_rows, tree.kv_lens, tree.state_slots]
-        torch._dynamo.mark_dynamic(inputs[2], 1)
-        out = self._run(inputs)
+        torch._dynamo.mark_dynamic(kv_rows, 1)
+        return [ids.view(r, t), ctx.positions.view(r, t), kv_rows, tree.kv_lens, tree.state_slots]
+
+    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        tree = ctx.tree
+        out = self._run(self._inputs(ids, ctx))
         if out is None:
             return None
         hidden, logits, saved = out
         for layer, kept in enumerate(saved):  # every layer saves what its commit needs, in layer order
-            tree.saved[layer] = tuple(x[:r] for x in kept)
-        return hidden[: r * t], logits[: r * t]
+            tree.saved[layer] = tuple(x[: tree.num_requests] for x in kept)
+        return hidden, logits
+
+
+class CompiledGreedySpeculation(CompiledStep):
+    """What follows a greedy batch's tree-verify forward, as one graph: greedy acceptance (the
+    longest path whose every token is its parent's argmax), the commit (the accepted path's K/V
+    into the pages, lightning states advanced along it), the bonus token (the argmax at the
+    last accepted node) and the heads' drafts for the next tree. Eagerly these were ~20 small
+    ops around the compiled forward, costing more than the forward itself on a small model.
+    It is a graph of its own: folded into the forward's graph, the pool writes after the
+    forward's pool reads made inductor copy whole pools (measured: 2.5x the step).
+
+    Returns (emitted [R, 2 + P]: accepted length n, the path's tokens root first, the bonus token;
+    drafts [R, heads, topk], left on the device for the next step's tree)."""
+
+    what = "the greedy Medusa acceptance and commit"
+    MIN_ROWS = 1
+
+    def _step(self, hidden, logits, ids, kv_rows, kv_lens, state_slots, max_nodes, *saved):
+        from sala.medusa.accept import accept_greedy  # sala.medusa imports the engine package
+
+        runner, tree = self.runner, self.runner.tree
+        r, t = ids.shape
+        hidden, logits = hidden.view(r, t, -1), logits.view(r, t, -1)
+        ctx = StepContext(runner.cache, None, None)
+        ctx.tree = TreeStep(r, tree.depths, tree.ancestor_mask, kv_rows, kv_lens, state_slots, parents=tree.parents)
+        it = iter(saved)
+        for layer in runner.model.model.layers:  # (k, v) per layer, or (node states,) for a BF16-state lightning layer
+            n = 1 if layer.is_lightning and runner.cache.states[layer.layer_idx].dtype != torch.float32 else 2
+            ctx.tree.saved[layer.layer_idx] = tuple(next(it) for _ in range(n))
+        acc = accept_greedy(tree, ids, logits, max_nodes)
+        dest = ctx.tree.path_rows(acc.lengths, tree.retrieve_indices.shape[1], runner.cache.scratch_row)
+        runner.model.model.commit_tree(ctx, acc.paths, acc.lengths, dest)
+        rows, last = torch.arange(r, device=ids.device), acc.last_nodes()
+        bonus = logits[rows, last].argmax(-1)
+        drafts = runner.medusa.draft_tokens(hidden[rows, last], runner.model.lm_head)
+        return torch.cat([acc.lengths[:, None], ids.gather(1, acc.paths.clamp(min=0)), bonus[:, None]], 1), drafts
+
+    def __call__(self, hidden, logits, ids: torch.Tensor, ctx: StepContext, max_nodes: torch.Tensor):
+        tree = ctx.tree
+        saved = [x for i in sorted(tree.saved) for x in tree.saved[i]]
+        inputs = [hidden, logits, ids.view(tree.num_requests, -1), tree.kv_rows, tree.kv_lens, tree.state_slots, max_nodes]
+        torch._dynamo.mark_dynamic(tree.kv_rows, 1)
+        return self._run(inputs + saved)
 
 
 class CudaGraphDecode:

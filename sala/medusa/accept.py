@@ -40,21 +40,29 @@ def node_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor
     log-probability under its parent's distribution; the root's entries are True and 0)."""
     r, t, _ = logits.shape
     parents = tree.parents.clamp(min=0)
-    parent_logits = logits[:, parents]  # [R, T, V]
-    ok = tokens == parent_logits.argmax(-1)
+    ok = greedy_acceptable(tree, tokens, logits)
     logp = torch.zeros(r, t, device=logits.device)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
-        probs = filtered_probs(parent_logits[rows].flatten(0, 1), [params[i] for i in sampled for _ in range(t)])
+        parent_logits = logits[rows][:, parents]  # [S, T, V]
+        probs = filtered_probs(parent_logits.flatten(0, 1), [params[i] for i in sampled for _ in range(t)])
         probs = probs.view(len(sampled), t, -1)
         p_tok = probs.gather(-1, tokens[rows][..., None])[..., 0]
         entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)
         ok[rows] = p_tok > torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
         logp[rows] = torch.log(p_tok.clamp(min=1e-30))
-    ok[:, 0] = True
-    logp[:, 0] = 0
+        ok[:, 0] = True
+        logp[:, 0] = 0
     return ok, logp
+
+
+def greedy_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """ok [R, T]: each node's token is the argmax of its parent's logits (the root always is).
+    The argmax is taken once per node, then gathered by parent: no [R, T, V] copy."""
+    ok = tokens == logits.argmax(-1)[:, tree.parents.clamp(min=0)]
+    ok[:, 0] = True
+    return ok
 
 
 def accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams],
@@ -63,6 +71,21 @@ def accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params:
     """The accepted path of every request. `max_nodes` [R] caps the nodes kept (a request near
     its max_tokens cannot use a longer path)."""
     ok, logp = node_acceptable(tree, tokens, logits, params, threshold, alpha)
+    return longest_path(tree, ok, logp, max_nodes)
+
+
+def accept_greedy(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
+                  max_nodes: torch.Tensor | None = None) -> Accepted:
+    """`accept` for a batch of greedy requests only, in tensor ops alone (no host sync, no
+    per-request Python): what the compiled verify step runs. A greedy chain is unique (siblings
+    carry distinct tokens, at most one of them is the argmax), so no score breaks ties."""
+    return longest_path(tree, greedy_acceptable(tree, tokens, logits), None, max_nodes)
+
+
+def longest_path(tree: MedusaTree, ok: torch.Tensor, logp: torch.Tensor | None,
+                 max_nodes: torch.Tensor | None) -> Accepted:
+    """The retrieve row with the longest acceptable prefix per request (ok [R, T]); ties broken
+    by the summed log-probability `logp` [R, T] of the kept nodes (None: the first row)."""
     retrieve = tree.retrieve_indices  # [L, P], -1 padded
     valid = retrieve >= 0
     idx = retrieve.clamp(min=0)
@@ -71,7 +94,10 @@ def accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params:
         path_ok &= torch.arange(retrieve.shape[1], device=ok.device)[None, None] < max_nodes[:, None, None]
     kept = path_ok.long().cumprod(-1)
     lengths = kept.sum(-1)  # [R, L] >= 1: the root is always acceptable
-    score = (logp[:, idx] * kept).sum(-1)
-    longest = lengths == lengths.max(-1, keepdim=True).values
-    best = torch.where(longest, score, torch.full_like(score, float("-inf"))).argmax(-1)
+    if logp is None:
+        best = lengths.argmax(-1)  # the first longest row
+    else:
+        score = (logp[:, idx] * kept).sum(-1)
+        longest = lengths == lengths.max(-1, keepdim=True).values
+        best = torch.where(longest, score, torch.full_like(score, float("-inf"))).argmax(-1)
     return Accepted(retrieve[best], lengths.gather(1, best[:, None])[:, 0])
