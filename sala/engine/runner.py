@@ -188,19 +188,14 @@ class ModelRunner:
                 return rows, logits
         if self.tree is None:
             return rows, self.forward(ids, ctx, logit_rows)
-        if self.fast_greedy is not None and ctx.tree is not None and not ctx.prefills \
-                and all(r.params.greedy and r.params.logprobs is None for r in rows.verified):
-            out = self.fast_tree(ids, ctx)
-            if out is not None:
-                left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in rows.verified], device=self.device)
-                rows.speculated = self.fast_greedy(*out, ids, ctx, left)
-                if rows.speculated is not None:
-                    return rows, torch.empty(0, self.model.config.vocab_size, device=self.device)
-                rows.hidden, logits = out
-                return rows, logits
         if self.fast_tree is not None and ctx.tree is not None and not ctx.prefills:
             out = self.fast_tree(ids, ctx)
             if out is not None:
+                if self.fast_greedy is not None and all(r.params.greedy and r.params.logprobs is None for r in rows.verified):
+                    left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in rows.verified], device=self.device)
+                    rows.speculated = self.fast_greedy(*out, ids, ctx, left)
+                    if rows.speculated is not None:
+                        return rows, torch.empty(0, self.model.config.vocab_size, device=self.device)
                 rows.hidden, logits = out
                 return rows, logits
         rows.hidden = self.heads_input(ids, ctx, logit_rows)
