@@ -11,8 +11,12 @@ plan's KL stays within 1.2x all-FP8's. Ratios printed; last line JSON.
 """
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests/ holds the 9B config
 
 from sala.checkpoint import load_model
 from sala.config import SALAConfig
@@ -54,8 +58,9 @@ def main() -> None:
     plan, plan_q = greedy_plan(plans["fp8"], quality["fp8"], sensitivity, measure, max_kl=budget, kv_format="nvfp4_4over6")
     plans["plan"], quality["plan"] = plan, plan_q
 
-    real = __import__("tests.test_config", fromlist=["REAL_CONFIG"]).REAL_CONFIG
-    big = SALAConfig(**real)
+    from tests.test_config import REAL_CONFIG  # the released config.json
+
+    big = SALAConfig(**REAL_CONFIG)
     big_amax = {i: {"k": [1.0] * big.num_key_value_heads, "v": [1.0] * big.num_key_value_heads} for i in big.sparse_layers}
     print(f"{'format':<14}{'9B B/token':>11}{'9B MiB/32K seq':>16}{'tiny B/token':>13}{'KL to unquantized':>19}{'top-1':>8}")
     rows = {}

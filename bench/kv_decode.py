@@ -17,9 +17,13 @@ engine reads the pages with the Triton kernel, dequantizing in registers.
 """
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests/ holds the 9B config
 
 from sala.checkpoint import load_model
 from sala.config import SALAConfig
@@ -86,7 +90,9 @@ def main():
     max_len = max(args.contexts) + args.new_tokens + 2
     base = long_model(tiny, max_len)
     config = base.config
-    real = SALAConfig(**__import__("tests.test_config", fromlist=["REAL_CONFIG"]).REAL_CONFIG)
+    from tests.test_config import REAL_CONFIG  # the released config.json
+
+    real = SALAConfig(**REAL_CONFIG)
     plans = {f: plan_for(config, f) for f in FORMATS}
     print(f"decode, tiny-sala bf16 ({len(config.sparse_layers)} sparse layers {config.sparse_layers}, "
           f"{len(config.lightning_layers)} lightning), dense attention, batch {args.batch}, {args.new_tokens} steps "

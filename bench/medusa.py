@@ -10,7 +10,10 @@ warmed up before anything is timed. Greedy, ignore_eos, the same prompts for bot
 waves of `batch` requests (each wave decoded to its end before the next starts). Mean accepted
 tokens per step counts the bonus token (plain decoding scores 1.00), as Spec-Bench; acceptance
 per depth is the share of verify steps that accepted a draft at that depth. Step times are of
-steps with no prompt work in them. `--tree-nodes` adds trees grown for other node budgets from
+steps with no prompt work in them. Each tree runs twice: verifying at every batch size, and with
+medusa_max_batch='auto' (sala/engine/speculation.py: warmup times plain and verify steps at
+batch 1, 2, 4, 8, 16 and a step verifies where accept length x plain step >= verify step; the
+share of its decode steps that verified is printed). `--tree-nodes` adds trees grown for other node budgets from
 the per-rank accuracy the training pipeline measured (a 63-node tree is 64 rows per request:
 on a CPU that is compute-bound, so a smaller tree can be faster). `--uniform`: accept length of
 the given heads against heads trained with `--weighting uniform`, on the validation windows the
@@ -57,25 +60,28 @@ def run_waves(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> 
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     spec0 = engine.spec.copy() if engine.spec else None
-    decode_time, decode_steps, wall, outputs = 0.0, 0, 0.0, []
+    decode_time, decode_steps, verified_steps, wall, outputs = 0.0, 0, 0, 0.0, []
     for i in range(0, len(prompts), batch):
         reqs = [engine.add_request(p, params) for p in prompts[i : i + batch]]
         start = time.perf_counter()
         while engine.has_work():
             pure = not engine.scheduler.waiting and all(not r.prefilling for r in engine.scheduler.running)
+            v0 = engine.spec.verify_steps if engine.spec else 0
             t0 = time.perf_counter()
             engine.step()
             if pure:
                 decode_time += time.perf_counter() - t0
                 decode_steps += 1
+                verified_steps += engine.spec is not None and engine.spec.verify_steps > v0
         wall += time.perf_counter() - start
         outputs += [r.output_ids for r in reqs]
     out = {"tokens_per_s": sum(map(len, outputs)) / wall, "step_ms": 1e3 * decode_time / max(decode_steps, 1),
-           "outputs": outputs}
+           "outputs": outputs, "verified_share": verified_steps / max(decode_steps, 1)}
     if spec0 is not None:
         s = engine.spec
         steps = s.verify_steps - spec0.verify_steps
         out["accept_length"] = 1 + (s.accepted_tokens - spec0.accepted_tokens) / max(steps, 1)
+
         out["acceptance_per_depth"] = [(a - b) / max(steps, 1) for a, b in
                                        zip(s.accepted_per_depth, spec0.accepted_per_depth + [0] * len(s.accepted_per_depth))]
     return out
@@ -90,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each (plain, Medusa, Medusa auto) back to back; ratios are the median over runs, "
+                         "each run's Medusa against the plain run beside it (this machine's speed drifts over minutes)")
     args = ap.parse_args(argv)
     import torch
 
@@ -120,24 +129,43 @@ def main(argv=None) -> int:
     plain.warmup()
     engines = {}
     for name, h in trees.items():
-        engines[name] = Engine(load_model(path, device=device), tok, max_seqs=max(args.batch), medusa=h)
+        engines[name] = Engine(load_model(path, device=device), tok, max_seqs=max(args.batch), medusa=h,
+                               medusa_max_batch="auto")
         engines[name].warmup()
+        print(f"tree {name}: {engines[name].speculation.describe(max(args.batch))}", flush=True)
     print(f"compiled the plain decode and {len(engines)} tree-verify step(s) in {time.perf_counter() - t0:.0f} s", flush=True)
     results, lossless = {}, True
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
     for b in args.batch:
-        p = run_waves(plain, prompts, b, args.max_tokens)
-        results[b] = {"plain_tokens_per_s": p["tokens_per_s"], "plain_step_ms": p["step_ms"], "trees": {}}
+        results[b] = {"trees": {}}
         for name, engine in engines.items():
-            m = run_waves(engine, prompts, b, args.max_tokens)
-            lossless &= p["outputs"] == m["outputs"]
+            runs = []
+            for _ in range(args.repeats):
+                p = run_waves(plain, prompts, b, args.max_tokens)
+                engine.speculation.max_batch = None  # verify at every batch size
+                m = run_waves(engine, prompts, b, args.max_tokens)
+                engine.speculation.max_batch = "auto"
+                a = run_waves(engine, prompts, b, args.max_tokens)
+                lossless &= p["outputs"] == m["outputs"] == a["outputs"]
+                runs.append((p, m, a))
+            p, m, a = runs[len(runs) // 2]  # absolute figures of one run; ratios over all of them
+            results[b]["plain_tokens_per_s"], results[b]["plain_step_ms"] = p["tokens_per_s"], p["step_ms"]
             r = results[b]["trees"][name] = {
-                "medusa_tokens_per_s": m["tokens_per_s"], "speedup": m["tokens_per_s"] / p["tokens_per_s"],
-                "verify_step_ms": m["step_ms"], "verify_over_decode": m["step_ms"] / p["step_ms"],
-                "accept_length": m["accept_length"], "acceptance_per_depth": m["acceptance_per_depth"]}
+                "medusa_tokens_per_s": m["tokens_per_s"],
+                "speedup": median([m["tokens_per_s"] / p["tokens_per_s"] for p, m, _ in runs]),
+                "verify_step_ms": m["step_ms"], "verify_over_decode": median([m["step_ms"] / p["step_ms"] for p, m, _ in runs]),
+                "accept_length": m["accept_length"], "acceptance_per_depth": m["acceptance_per_depth"],
+                "auto_speedup": median([a["tokens_per_s"] / p["tokens_per_s"] for p, _, a in runs]),
+                "auto_verified_share": median([a["verified_share"] for _, _, a in runs]),
+                "speedup_runs": [m["tokens_per_s"] / p["tokens_per_s"] for p, m, _ in runs]}
             print(f"batch {b:>2}, tree {name}: {r['medusa_tokens_per_s']:.0f} vs {p['tokens_per_s']:.0f} tokens/s = "
                   f"{r['speedup']:.2f}x; accept length {r['accept_length']:.2f}; verify step {r['verify_step_ms']:.1f} ms "
                   f"/ decode step {p['step_ms']:.1f} ms = {r['verify_over_decode']:.2f}x; acceptance per depth "
-                  + " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]), flush=True)
+                  + " ".join(f"{x:.2f}" for x in r["acceptance_per_depth"])
+                  + f"; auto: {r['auto_speedup']:.2f}x, {100 * r['auto_verified_share']:.0f}% of steps verified; "
+                  f"speedup over {args.repeats} runs " + " ".join(f"{x:.2f}" for x in r["speedup_runs"]), flush=True)
     out = {"bench": "medusa", "model": str(path), "prompts": len(prompts), "max_tokens": args.max_tokens,
            "greedy_identical": lossless, "by_batch": results}
     if args.uniform:

@@ -242,6 +242,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget per step")
     ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
                     help="decode with the checkpoint's medusa/ heads (default: when it has them)")
+    ap.add_argument("--medusa-max-batch", metavar="N|auto",
+                    help="verify draft trees only while at most N requests decode, decoding plainly above that; "
+                         "auto: chosen from step times measured at start-up (default: always verify)")
     ap.add_argument("--experiment", default="generate", help="MLflow experiment")
     args = ap.parse_args(argv)
     for name in ("max_tokens", "replicas", "batch_size"):
@@ -264,8 +267,10 @@ def main(argv=None) -> int:
     from registry.tracking import TrackingError, setup_mlflow
     from sala.checkpoint import DeviceUnavailable, gpu_device, read_config
     from sala.engine import InvalidParam, SamplingParams
+    from sala.engine.speculation import SpeculationSettingError, parse_max_batch
     from sala.eval.calibration import DatasetError, dataset_kind
     from sala.kv import KVPlanError, load_plan
+    from sala.medusa.heads import has_medusa
     from sala.tiny import ensure_tiny_sala
 
     output = Path(args.output).expanduser().absolute()
@@ -295,6 +300,11 @@ def main(argv=None) -> int:
         model_path = resolve_model_path(args.model or str(ensure_tiny_sala()))
         # Checked before Ray starts; the actors get the plan itself (a path may not exist on their node).
         kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, read_config(model_path)).to_json()
+        if args.medusa_max_batch is not None:
+            args.medusa_max_batch = parse_max_batch(args.medusa_max_batch)
+            if args.medusa is False or args.deterministic or not has_medusa(model_path):
+                return fail(f"--medusa-max-batch: {model_path} is decoded without Medusa (--no-medusa, --deterministic, "
+                            "or no medusa/ heads)")
         setup_mlflow(args.experiment)
         init_ray()
     except InvalidParam as e:
@@ -303,6 +313,8 @@ def main(argv=None) -> int:
         return fail(f"--num-gpus: {e}")
     except KVPlanError as e:
         return fail(f"--kv-plan: {e}")
+    except SpeculationSettingError as e:
+        return fail(f"--medusa-max-batch: {e}")
     except (DatasetError, ModelSpecError, TrackingError, RayUnavailable) as e:
         return fail(str(e))
     return run(args, dataset, kind, column, rows, model_path, output, sampling, kv_plan)
@@ -317,7 +329,8 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": dataset, "split": args.split,
               "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
-              "deterministic": args.deterministic, "medusa": args.medusa, "batch_size": args.batch_size,
+              "deterministic": args.deterministic, "medusa": args.medusa,
+              "medusa_max_batch": args.medusa_max_batch, "batch_size": args.batch_size,
               "output": str(output), "kv_plan": args.kv_plan, **sampling}
     with mlflow.start_run(run_name=f"generate-{Path(dataset).stem}") as mlflow_run:
         mlflow.log_params(params)
@@ -330,6 +343,7 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
                                        deterministic=args.deterministic,
                                        engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
                                                       "max_waiting": max(256, args.batch_size), "medusa": args.medusa,
+                                                      "medusa_max_batch": args.medusa_max_batch,
                                                       "kv_plan": kv_plan}),
             batch_size=args.batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=args.replicas),
             num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False,

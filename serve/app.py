@@ -44,7 +44,9 @@ from starlette.exceptions import HTTPException
 from registry.models import model_name, resolve_model_path
 from sala.checkpoint import DeviceUnavailable, gpu_device, read_config
 from sala.engine import AsyncEngine, Engine, InvalidParam, QueueFull, RequestOutput, RequestStream, SamplingParams
+from sala.engine.speculation import SpeculationSettingError, parse_max_batch
 from sala.kv import KVPlanError, load_plan
+from sala.medusa.heads import has_medusa
 from serve.protocol import (
     PARAM_NAMES,
     AbortRequest,
@@ -148,6 +150,9 @@ class EngineCollector:
                                       value=e.spec.accepted_tokens)
             yield GaugeMetricFamily("sala_spec_accept_length", "Tokens per verify step, bonus included",
                                     value=e.spec.accept_length)
+            yield GaugeMetricFamily("sala_spec_max_batch", "Largest decode batch that verifies draft trees now "
+                                    "(medusa_max_batch; above it steps decode plainly)",
+                                    value=e.speculation.largest_batch(e.cache.plan.max_seqs))
 
 
 @api.exception_handler(HTTPException)
@@ -667,6 +672,10 @@ class SalaServer:
         return JSONResponse(result(choices[0]) if single else [result(c) for c in choices])
 
 
+class MedusaOff(ValueError):
+    """A Medusa setting for a model served without Medusa."""
+
+
 def build_app(model: str | None = None, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               num_cpus: float = 1.0, num_gpus: float = 0, deterministic: bool = False, num_threads: int | None = None,
               max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, kv_plan=None, num_replicas: int = 1,
@@ -681,7 +690,8 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     sharing a prompt prefix go to the replica caching it (serve/router.py; prefix_routing_options are
     PrefixAffinityRouter's: block_chars, max_blocks, imbalanced_threshold, min_match_rate,
     refresh_interval_s); without
-    prefix_routing Serve's power of two choices spreads them."""
+    prefix_routing Serve's power of two choices spreads them. medusa_max_batch (an engine setting)
+    is checked here too: MedusaOff when the model is served without Medusa."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
@@ -694,6 +704,11 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
         model = str(ensure_tiny_sala())
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+    if engine_kwargs.get("medusa_max_batch") is not None:  # checked here: a replica failing to start says it less plainly
+        engine_kwargs["medusa_max_batch"] = parse_max_batch(engine_kwargs["medusa_max_batch"])
+        if deterministic or engine_kwargs.get("medusa") is False or not has_medusa(resolve_model_path(model)):
+            raise MedusaOff(f"medusa_max_batch={engine_kwargs['medusa_max_batch']!r} but {model} is served without "
+                            "Medusa (medusa: false, deterministic, or no medusa/ heads)")
     if kv_plan is not None:  # the replica gets the checked plan itself: a path may not exist on its node
         engine_kwargs["kv_plan"] = load_plan(kv_plan, read_config(resolve_model_path(model))).to_json()
     api_key = os.environ.get("SALA_API_KEY") if api_key is None else api_key
@@ -741,6 +756,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="largest max_tokens a request may ask for (default: %(default)s)")
     ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
                     help="decode with the checkpoint's medusa/ heads (default: when it has them)")
+    ap.add_argument("--medusa-max-batch", metavar="N|auto",
+                    help="verify draft trees only while at most N requests decode, decoding plainly above that; "
+                         "auto: chosen from step times measured at start-up (default: always verify)")
     ap.add_argument("--kv-plan", help="kv_plan.json for the cache: each layer's K/V format or state dtype "
                                       "(default: the checkpoint's own, if it has one)")
     args = ap.parse_args(argv)
@@ -748,6 +766,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--num-gpus must be >= 0")
     if args.num_replicas < 1:
         ap.error("--num-replicas must be >= 1")
+    try:
+        args.medusa_max_batch = parse_max_batch(args.medusa_max_batch)
+    except SpeculationSettingError as e:
+        ap.error(str(e))
     return args
 
 
@@ -774,9 +796,13 @@ def main(argv: list[str] | None = None) -> int:
                         num_gpus=args.num_gpus, deterministic=args.deterministic, num_threads=args.num_threads,
                         max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
                         num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
-                        **({} if args.medusa is None else {"medusa": args.medusa}))
+                        **({} if args.medusa is None else {"medusa": args.medusa}),
+                        **({} if args.medusa_max_batch is None else {"medusa_max_batch": args.medusa_max_batch}))
     except KVPlanError as e:
         print(f"error: --kv-plan: {e}", file=sys.stderr)
+        return 2
+    except MedusaOff as e:
+        print(f"error: --medusa-max-batch: {e}", file=sys.stderr)
         return 2
     ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
     serve.start(http_options={"host": args.host, "port": args.port})

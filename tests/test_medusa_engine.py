@@ -51,10 +51,10 @@ def mixed_plan(config) -> KVPlan:
                                              {i: "bf16" for i in config.lightning_layers[::2]})
 
 
-# Every weight type at both batch sizes, and each weight type under a mixed cache plan (at the
-# batch size the other does not take: the cross of all three would double the test's time).
-@pytest.mark.parametrize("weights, batch, plan", [("bf16", 1, None), ("bf16", 4, None), ("nvfp4", 1, None),
-                                                  ("nvfp4", 4, None), ("bf16", 4, "mixed"), ("nvfp4", 1, "mixed")])
+# The whole cross: both weight types, both batch sizes, with and without a mixed cache plan.
+@pytest.mark.parametrize("plan", [None, "mixed"])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("weights", ["bf16", "nvfp4"])
 def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sala_dir, weights, batch, plan):
     from transformers import AutoTokenizer
 
@@ -151,16 +151,82 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
     plain = Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False).generate(prompts[:6], params)
-    engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads))
+    engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads), medusa_max_batch="auto")
     engine.warmup()
     fast = engine.runner.fast_greedy
     assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
+    assert engine.runner.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
+    timed = engine.speculation.step_ms  # batch -> (plain, verify) ms, measured by warmup
+    print(engine.speculation.describe(2))
+    assert set(timed) == {1, 2} and all(0 < ms < 1e3 for pair in timed.values() for ms in pair)
+    assert engine.spec.verify_steps == 0 and engine.num_generated_tokens == 0  # warmup's steps are not traffic
+    engine.speculation.max_batch = None  # always verify, to check both verify graphs
     calls = []
     fast.fn = (lambda fn: lambda *a: calls.append(a[2].shape[0]) or fn(*a))(fast.fn)  # a[2]: the tree tokens [R, T]
     single = engine.generate(prompts[:1], params)
     pair = engine.generate(prompts[1:6], params)
     assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]
     assert {1, 2} <= set(calls) and engine.spec.accept_length > 1.3
+    # Verifying only single requests: two decoders take the compiled plain step (their drafts go stale), still lossless.
+    engine.speculation.max_batch, calls[:] = 1, []
+    decoded = []
+    engine.runner.fast_decode.fn = (lambda fn: lambda *a: decoded.append(a[0].shape[0]) or fn(*a))(engine.runner.fast_decode.fn)
+    assert [c.token_ids for c in engine.generate(prompts[1:6], params)] == [c.token_ids for c in plain[1:]]
+    assert decoded and set(calls) == {1}
+
+
+def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, tiny_sala_dir):
+    """medusa_max_batch=1: a step with more than one decoding request decodes plainly, a step with
+    one verifies its tree; the requests keep their old drafts through plain steps, and greedy
+    output is plain greedy's token for token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 8, 12, 24)]
+    plain = Engine(copy.deepcopy(base), tok, max_seqs=4, compile=False).generate(prompts[:4], params)
+    engine = Engine(copy.deepcopy(base), tok, max_seqs=4, compile=False, medusa=copy.deepcopy(heads), medusa_max_batch=1)
+    steps = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
+    out = engine.generate(prompts[:4], params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    kinds = {(len(s.decodes), s.speculative) for s in steps if s.decodes}
+    assert {(1, True), (2, False), (4, False)} <= kinds and all(spec == (n == 1) for n, spec in kinds), kinds
+    assert engine.spec.verify_steps == sum(len(s.decodes) for s in steps if s.speculative)
+    assert out[3].spec.verify_steps > 0 and out[0].spec.verify_steps == 0
+    # What a replica's /metrics reports of it.
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.app import EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    value = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert value["sala_spec_max_batch"] == 1 and value["sala_spec_verify_steps_total"] == engine.spec.verify_steps
+    assert value["sala_spec_accepted_tokens_total"] == engine.spec.accepted_tokens
+
+
+def test_auto_speculation_verifies_where_accepted_tokens_pay_for_the_step():
+    """medusa_max_batch='auto' against the rule worked by hand: verify at n requests when
+    accept_length x plain(n) >= verify(n), times linear between the batch sizes timed."""
+    from sala.engine.request import SpecStats
+    from sala.engine.speculation import SpeculationPolicy, parse_max_batch
+
+    stats = SpecStats()
+    policy = SpeculationPolicy("auto", stats, prior_accept_length=1.8)
+    assert policy(64)  # not timed yet: verify
+    policy.step_ms = {1: (2.0, 3.0), 4: (3.0, 9.0), 16: (6.0, 40.0)}
+    # n = 2: plain 2 + 1/3, verify 3 + 2 = 5; 1.8 x 2.33 = 4.2 < 5.
+    assert [policy(n) for n in (1, 2, 4, 16, 64)] == [True, False, False, False, False]
+    stats.verify_steps, stats.accepted_tokens = 32, 64  # measured accept length 3.0 replaces the prior
+    # n = 2: 3 x 2.33 = 7 >= 5; n = 4: 9 >= 9; n = 5: plain 3.25, verify 11.6 > 9.75.
+    assert [policy(n) for n in (2, 4, 5)] == [True, True, False] and policy.largest_batch(16) == 4
+    assert SpeculationPolicy(2, stats)(2) and not SpeculationPolicy(2, stats)(3) and SpeculationPolicy(None, stats)(10**6)
+    assert parse_max_batch("8") == 8 and parse_max_batch("auto") == "auto"
+    for bad in (-1, "many", 1.5, True):
+        with pytest.raises(ValueError, match="medusa_max_batch"):
+            parse_max_batch(bad)
 
 
 def test_served_medusa_checkpoint_drift_scored_by_the_logprob_evaluation(medusa_checkpoint):

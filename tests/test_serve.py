@@ -749,3 +749,30 @@ def test_generate_refuses_a_bad_kv_plan_before_ray(tiny_sala_dir, tmp_path, caps
     rc = main(["--dataset", str(data), "--output", str(tmp_path / "out"), "--model", str(tiny_sala_dir), "--kv-plan", str(bad)])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: --kv-plan: ") and f"no entry for layer(s) [{config.lightning_layers[0]}]" in err
+
+
+def test_medusa_max_batch_refused_without_medusa_or_when_malformed(tiny_sala_dir, medusa_checkpoint, tmp_path, capsys):
+    """--medusa-max-batch is refused in one line, before Ray starts, when it is not an integer
+    >= 0 or 'auto', and when the model is decoded without Medusa (a setting silently ignored)."""
+    from pipelines.generate import main as generate_main
+    from serve.app import MedusaOff, build_app, parse_args
+    from serve.app import main as serve_main
+
+    assert parse_args(["--medusa-max-batch", "4"]).medusa_max_batch == 4
+    assert parse_args(["--medusa-max-batch", "auto"]).medusa_max_batch == "auto"
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--medusa-max-batch", "-1"])
+    assert exit_.value.code == 2 and "medusa_max_batch=-1: give an integer >= 0" in capsys.readouterr().err
+    assert serve_main(["--model", str(tiny_sala_dir), "--medusa-max-batch", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --medusa-max-batch: ") and "served without Medusa" in err and len(err.splitlines()) == 1
+    with pytest.raises(MedusaOff):
+        build_app(str(medusa_checkpoint), medusa=False, medusa_max_batch="auto")
+    build_app(str(medusa_checkpoint), medusa_max_batch="auto")  # with heads: accepted
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    for value, reason in (("2", "decoded without Medusa"), ("lots", "give an integer >= 0")):
+        rc = generate_main(["--dataset", str(data), "--output", str(tmp_path / "out"), "--model", str(tiny_sala_dir),
+                            "--medusa-max-batch", value])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("error: --medusa-max-batch: ") and reason in err, err

@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -39,8 +40,10 @@ from sala.engine.request import Completion, Request, RequestOutput, SpecStats, T
 from sala.engine.runner import ModelRunner
 from sala.engine.sampling import sample, token_logprobs
 from sala.engine.scheduler import Scheduler
+from sala.engine.speculation import SpeculationPolicy, parse_max_batch
 from sala.kv import PLAN_FILE, default_plan, load_plan
 from sala.medusa import accept as medusa_accept  # a module: sala.medusa.accept imports the engine's sampling
+from sala.medusa.tree import expected_accept_length
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,9 @@ class Engine:
       eighth of memory_bytes; on CUDA taken out of the default budget, on CPU on top of it).
     - medusa: MedusaHeads (sala/medusa/heads.py) to decode by tree verify; typical_threshold and
       typical_alpha: typical acceptance for sampled requests (Medusa's posterior_threshold and alpha,
-      default 0.09 and 0.3).
+      default 0.09 and 0.3); medusa_max_batch: verify only while at most this many requests decode,
+      decoding plainly above it (an integer; "auto": chosen from step times measured by warmup();
+      None, the default: always verify; sala/engine/speculation.py).
     """
 
     def __init__(self, model, tokenizer, *, memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -90,7 +95,8 @@ class Engine:
                  max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = False, compile: bool = True,
                  kv_plan=None, prefix_cache: bool = True, prefix_snapshot_interval: int = 512,
                  prefix_snapshot_bytes: int | None = None, medusa=None,
-                 typical_threshold: float | None = None, typical_alpha: float | None = None):
+                 typical_threshold: float | None = None, typical_alpha: float | None = None,
+                 medusa_max_batch: int | str | None = None):
         if medusa is not None and batch_invariant:
             raise ValueError("Medusa tree verify has no batch-invariant mode: pass medusa=None (or medusa=False to "
                              "from_pretrained) for the evaluation mode")
@@ -128,6 +134,9 @@ class Engine:
             raise ValueError(f"Medusa tree verify does not run InfLLM-v2's sparse path yet: with Medusa, max_model_len "
                              f"({self.max_model_len}) must stay at or below sparse_config.dense_len "
                              f"({config.sparse_config['dense_len']})")
+        if medusa is None and medusa_max_batch is not None:
+            raise ValueError(f"medusa_max_batch={medusa_max_batch!r} was given but Medusa is off (no heads)")
+        max_spec_batch = parse_max_batch(medusa_max_batch)
         self.medusa, self.tree = medusa, None
         decode_tokens = 1
         if medusa is not None:
@@ -140,15 +149,20 @@ class Engine:
                                                    min(plan.max_seqs, 16) * decode_tokens + granule)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule, self.prefix,
                                    exact_recompute=batch_invariant)
+        self.spec = SpecStats() if medusa is not None else None  # totals over all requests
+        self.speculation = None
         if self.tree is not None:
             self.scheduler.decode_tokens, self.scheduler.lookahead = decode_tokens, self.tree.max_depth
+            accuracy = medusa.config.rank_accuracy
+            self.speculation = SpeculationPolicy(
+                max_spec_batch, self.spec, expected_accept_length(torch.tensor(accuracy), self.tree) if accuracy else None)
+            self.scheduler.speculate = self.speculation
         self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.tree, self.medusa)
         self.eos_ids = stop_token_ids(model, tokenizer)
         # Running totals for monitoring: tokens generated and finishes by the step thread, prompt tokens on add.
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished: Counter[str] = Counter()  # by finish reason
-        self.spec = SpecStats() if medusa is not None else None  # totals over all requests
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
@@ -192,14 +206,67 @@ class Engine:
         return self.scheduler.num_preemptions
 
     def warmup(self) -> None:
-        """Compile (CPU) or capture (CUDA) the decode step now, not on the first request; servers
-        and batch jobs call this at start-up. A no-op for the eager and evaluation modes."""
-        if self.runner.fast_decode is not None:
-            prompt = [self.config.bos_token_id or 0]
-            # Medusa: greedy steps of one request and of several are two graphs (see CompiledTreeVerify);
-            # a batch with a sampled or logprobs request compiles its verify-only graph when it first runs.
-            for n in (1, 2) if self.runner.fast_tree is not None and self.cache.plan.max_seqs > 1 else (1,):
-                self.generate([prompt] * n, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        """Compile (CPU) or capture (CUDA) the decode step now, not on the first request, and with
+        medusa_max_batch='auto' time the steps it chooses by; servers and batch jobs call this at
+        start-up. The requests it runs are not counted in the engine's totals."""
+        prompt = [self.config.bos_token_id or 0]
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        policy = self.speculation
+        with self._uncounted():
+            if self.runner.fast_decode is not None:
+                # Medusa: greedy steps of one request and of several are two graphs (see CompiledTreeVerify);
+                # a batch with a sampled or logprobs request compiles its verify-only graph when it first runs.
+                for n in (1, 2) if self.runner.fast_tree is not None and self.cache.plan.max_seqs > 1 else (1,):
+                    self.generate([prompt] * n, params)
+                if policy is not None and policy.max_batch is not None:  # plain decode steps too
+                    policy.force = False
+                    self.generate([prompt], params)
+                    policy.force = None
+            if policy is not None and policy.max_batch == "auto":
+                policy.step_ms = self._time_steps(prompt)
+                log.info(policy.describe(self.cache.plan.max_seqs))
+
+    def _time_steps(self, prompt: list[int], steps: int = 5) -> dict[int, tuple[float, float]]:
+        """Median ms of a pure plain decode step and of a pure verify step at batch sizes 1, 2, 4,
+        ... max_seqs (what medusa_max_batch='auto' decides by)."""
+        policy, max_seqs = self.speculation, self.cache.plan.max_seqs
+        sizes = sorted({min(2**i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
+        # Each request must outlive the timed steps: a verify step may take max_depth + 1 tokens.
+        params = SamplingParams(max_tokens=min(2 * steps * (self.tree.max_depth + 1) + 8, self.cache.max_tokens - 1),
+                                temperature=0, ignore_eos=True)
+        table = {}
+        for n in sizes:
+            reqs = [self.add_request(prompt, params) for _ in range(n)]
+            times = []
+            for force in (False, True):
+                policy.force, ms = force, []
+                while len(ms) < steps and self.has_work():
+                    pure = not self.scheduler.waiting and all(not r.prefilling for r in self.scheduler.running)
+                    t0 = time.perf_counter()
+                    self.step()
+                    if pure and len(self.scheduler.running) == n:
+                        ms.append(1e3 * (time.perf_counter() - t0))
+                times.append(sorted(ms)[len(ms) // 2] if ms else math.inf)
+            policy.force = None
+            for r in reqs:
+                self.cancel(r)
+            while self.has_work():
+                self.step()
+            table[n] = tuple(times)
+        return table
+
+    @contextmanager
+    def _uncounted(self):
+        """Leave the engine's running totals as they were (warmup's requests are not traffic)."""
+        saved = (self.num_prompt_tokens, self.num_generated_tokens, self.num_finished.copy(),
+                 self.spec.copy() if self.spec else None, self.scheduler.num_preemptions)
+        try:
+            yield
+        finally:
+            self.num_prompt_tokens, self.num_generated_tokens, self.num_finished, spec, self.scheduler.num_preemptions = saved
+            if spec is not None:  # in place: the speculation policy holds this object
+                self.spec.verify_steps, self.spec.draft_tokens = spec.verify_steps, spec.draft_tokens
+                self.spec.accepted_tokens, self.spec.accepted_per_depth = spec.accepted_tokens, spec.accepted_per_depth
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -284,7 +351,7 @@ class Engine:
                 self._verify(step, logits[:n_tree], hidden[:n_tree])
                 logits, hidden = logits[n_tree:], hidden[n_tree:]
         n = len(step.sampled)
-        if self.medusa is not None and n:
+        if self.medusa is not None and n and hidden is not None:  # a compiled plain step: the drafts stay
             drafts = self._draft(hidden[:n])
             for r, d in zip(step.sampled, drafts):
                 r.drafts = d

@@ -4,9 +4,10 @@
 mapping, page tables and context lengths of the decode rows, state slots, prompt spans. The
 model's own mixers read it; this file never restates the layers.
 
-With Medusa (`tree`), every decode is a tree verify: the request's draft tree (root = its last
-token, nodes = its drafts picked by the tree's candidate indices) takes T rows at positions
-num_computed + depth, in a TreeStep context (sala/context.py); all T rows' logits come back.
+With Medusa (`tree`), the decodes of a speculative step are tree verifies: the request's draft
+tree (root = its last token, nodes = its drafts picked by the tree's candidate indices) takes T
+rows at positions num_computed + depth, in a TreeStep context (sala/context.py); all T rows'
+logits come back. The other steps run as without Medusa.
 
 Decode-only steps take a fast path: on CPU the step is compiled with inductor (`compile=True`,
 dynamic batch size and page count); on CUDA it is replayed from CUDA graphs captured at
@@ -92,7 +93,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- inputs
     def prepare(self, sched: Schedule) -> tuple[torch.Tensor, StepContext, list[int], StepRows]:
         cache, dev = self.cache, self.device
-        if self.tree is not None and sched.decodes:
+        if self.tree is not None and sched.decodes and sched.speculative:
             return self._prepare_tree(sched)
         dec = sched.decodes
         ids = [r.last_token for r in dec]

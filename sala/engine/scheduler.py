@@ -20,7 +20,8 @@ snapshot it matches, and a chunk never runs past the next snapshot interval, so 
 lightning state there exists to be snapshotted. Cached pages count as free.
 
 With Medusa a decode is a draft tree: it costs `decode_tokens` rows of the budget (the tree's
-nodes) and reserves pages for `lookahead` more positions (the deepest path it may accept).
+nodes) and reserves pages for `lookahead` more positions (the deepest path it may accept);
+`speculate` (sala/engine/speculation.py) may make a step of many decoders a plain one instead.
 
 In the batch-invariant mode a chunk ends only at a multiple of `granule` (or at the end of
 the tokens), so where a prompt is cut never depends on the load.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sala.engine.cache import CacheFull, CachePool
@@ -48,6 +50,7 @@ class QueueFull(RuntimeError):
 class Schedule:
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, end)
+    speculative: bool = False  # Medusa: the decodes verify their draft trees
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +70,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.exact_recompute = exact_recompute
         self.decode_tokens, self.lookahead = 1, 0  # a plain decode; Medusa sets its tree's
+        self.speculate: Callable[[int], bool] | None = None  # Medusa: whether n decoders verify their trees
         self.lock = threading.Lock()
 
     def add(self, req: Request) -> None:
@@ -95,11 +99,14 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         batch = Schedule()
+        batch.speculative = self.lookahead > 0 and (self.speculate is None
+                                                    or self.speculate(sum(not r.prefilling for r in self.running)))
+        lookahead, decode_tokens = (self.lookahead, self.decode_tokens) if batch.speculative else (0, 1)
         for r in list(self.running):
-            if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + self.lookahead,
+            if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + lookahead,
                                                                                       r.capacity)):
                 batch.decodes.append(r)
-        budget = self.max_batch_tokens - len(batch.decodes) * self.decode_tokens
+        budget = self.max_batch_tokens - len(batch.decodes) * decode_tokens
         for r in self.running:
             if r.prefilling and budget > 0:
                 # Prompt chunks take only free pages: preempting here could evict a request already scheduled.

