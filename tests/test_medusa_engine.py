@@ -158,7 +158,7 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     assert engine.runner.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
     timed = engine.speculation.step_ms  # batch -> (plain, verify) ms, measured by warmup
     print(engine.speculation.describe(2))
-    assert set(timed) == {1, 2} and all(0 < ms < 1e3 for pair in timed.values() for ms in pair)
+    assert set(timed) == {1, 2} and all(len(ms) == 3 and all(0 < t < 1e3 for t in ms) for ms in timed.values())
     assert engine.spec.verify_steps == 0 and engine.num_generated_tokens == 0  # warmup's steps are not traffic
     engine.speculation.max_batch = None  # always verify, to check both verify graphs
     calls = []
@@ -216,12 +216,15 @@ def test_auto_speculation_verifies_where_accepted_tokens_pay_for_the_step():
     stats = SpecStats()
     policy = SpeculationPolicy("auto", stats, prior_accept_length=1.8)
     assert policy(64)  # not timed yet: verify
-    policy.step_ms = {1: (2.0, 3.0), 4: (3.0, 9.0), 16: (6.0, 40.0)}
-    # n = 2: plain 2 + 1/3, verify 3 + 2 = 5; 1.8 x 2.33 = 4.2 < 5.
+    policy.step_ms = {1: (2.0, 3.0, 4.0), 4: (3.0, 9.0, 12.0), 16: (6.0, 40.0, 50.0)}
+    # n = 2: plain 2 + 1/3, verify 3 + 2 = 5; 1.8 x 2.33 = 4.2 < 5. Sampled, n = 1: 3.6 < 4.
     assert [policy(n) for n in (1, 2, 4, 16, 64)] == [True, False, False, False, False]
+    assert not policy(1, greedy=False)
     stats.verify_steps, stats.accepted_tokens = 32, 64  # measured accept length 3.0 replaces the prior
     # n = 2: 3 x 2.33 = 7 >= 5; n = 4: 9 >= 9; n = 5: plain 3.25, verify 11.6 > 9.75.
     assert [policy(n) for n in (2, 4, 5)] == [True, True, False] and policy.largest_batch(16) == 4
+    # Sampled: n = 2: verify 4 + 8/3 = 6.67 <= 7; n = 3: plain 2.67, verify 9.33 > 8.
+    assert policy(2, greedy=False) and not policy(3, greedy=False) and policy.largest_batch(16, greedy=False) == 2
     assert SpeculationPolicy(2, stats)(2) and not SpeculationPolicy(2, stats)(3) and SpeculationPolicy(None, stats)(10**6)
     assert parse_max_batch("8") == 8 and parse_max_batch("auto") == "auto"
     for bad in (-1, "many", 1.5, True):

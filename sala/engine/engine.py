@@ -226,32 +226,33 @@ class Engine:
                 policy.step_ms = self._time_steps(prompt)
                 log.info(policy.describe(self.cache.plan.max_seqs))
 
-    def _time_steps(self, prompt: list[int], steps: int = 5) -> dict[int, tuple[float, float]]:
-        """Median ms of a pure plain decode step and of a pure verify step at batch sizes 1, 2, 4,
-        ... max_seqs (what medusa_max_batch='auto' decides by)."""
+    def _time_steps(self, prompt: list[int], steps: int = 5) -> dict[int, tuple[float, float, float]]:
+        """Median ms of a pure plain decode step, a greedy verify step and a sampled verify step
+        at batch sizes 1, 2, 4, ... max_seqs (what medusa_max_batch='auto' decides by)."""
         policy, max_seqs = self.speculation, self.cache.plan.max_seqs
         sizes = sorted({min(2**i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
         # Each request must outlive the timed steps: a verify step may take max_depth + 1 tokens.
-        params = SamplingParams(max_tokens=min(2 * steps * (self.tree.max_depth + 1) + 8, self.cache.max_tokens - 1),
-                                temperature=0, ignore_eos=True)
+        max_tokens = min(2 * steps * (self.tree.max_depth + 1) + 8, self.cache.max_tokens - 1)
         table = {}
         for n in sizes:
-            reqs = [self.add_request(prompt, params) for _ in range(n)]
             times = []
-            for force in (False, True):
-                policy.force, ms = force, []
-                while len(ms) < steps and self.has_work():
-                    pure = not self.scheduler.waiting and all(not r.prefilling for r in self.scheduler.running)
-                    t0 = time.perf_counter()
+            for temperature, kinds in ((0, (False, True)), (1, (True,))):
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
+                reqs = [self.add_request(prompt, params) for _ in range(n)]
+                for force in kinds:
+                    policy.force, ms = force, []
+                    while len(ms) < steps and self.has_work():
+                        pure = not self.scheduler.waiting and all(not r.prefilling for r in self.scheduler.running)
+                        t0 = time.perf_counter()
+                        self.step()
+                        if pure and len(self.scheduler.running) == n:
+                            ms.append(1e3 * (time.perf_counter() - t0))
+                    times.append(sorted(ms)[len(ms) // 2] if ms else math.inf)
+                policy.force = None
+                for r in reqs:
+                    self.cancel(r)
+                while self.has_work():
                     self.step()
-                    if pure and len(self.scheduler.running) == n:
-                        ms.append(1e3 * (time.perf_counter() - t0))
-                times.append(sorted(ms)[len(ms) // 2] if ms else math.inf)
-            policy.force = None
-            for r in reqs:
-                self.cancel(r)
-            while self.has_work():
-                self.step()
             table[n] = tuple(times)
         return table
 

@@ -70,7 +70,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.exact_recompute = exact_recompute
         self.decode_tokens, self.lookahead = 1, 0  # a plain decode; Medusa sets its tree's
-        self.speculate: Callable[[int], bool] | None = None  # Medusa: whether n decoders verify their trees
+        # Medusa: whether n decoders (all greedy without logprobs, or not) verify their trees
+        self.speculate: Callable[[int, bool], bool] | None = None
         self.lock = threading.Lock()
 
     def add(self, req: Request) -> None:
@@ -99,8 +100,9 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         batch = Schedule()
-        batch.speculative = self.lookahead > 0 and (self.speculate is None
-                                                    or self.speculate(sum(not r.prefilling for r in self.running)))
+        decoding = [r for r in self.running if not r.prefilling]
+        batch.speculative = self.lookahead > 0 and (self.speculate is None or self.speculate(
+            len(decoding), all(r.params.greedy and r.params.logprobs is None for r in decoding)))
         lookahead, decode_tokens = (self.lookahead, self.decode_tokens) if batch.speculative else (0, 1)
         for r in list(self.running):
             if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + lookahead,

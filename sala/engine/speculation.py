@@ -10,7 +10,10 @@ plainly. `max_batch`:
 - an integer N: verify while at most N requests decode;
 - "auto": `Engine.warmup` times a plain decode step and a verify step at batch sizes 1, 2, 4,
   ... up to the engine's max_seqs, and a step of n requests verifies when
-  accept_length x plain(n) >= verify(n) (step times interpolated between the sizes timed).
+  accept_length x plain(n) >= verify(n) (step times interpolated between the sizes timed). A
+  verify step is timed twice: for greedy requests, whose acceptance and commit run compiled on
+  CPU, and for sampled ones (typical acceptance, eager); a step with any sampled or logprobs
+  request is judged by the second.
   accept_length is the engine's running mean once MIN_VERIFY_STEPS verify steps have been
   measured, before that the tree's expected accept length from the heads' measured per-rank
   accuracy (tree.expected_accept_length, an underestimate), and with neither, verify. Until
@@ -55,7 +58,8 @@ class SpeculationPolicy:
     max_batch: int | str | None
     stats: SpecStats  # the engine's running totals
     prior_accept_length: float | None = None  # expected from measured per-rank accuracy, when recorded
-    step_ms: dict[int, tuple[float, float]] = field(default_factory=dict)  # auto: batch -> (plain, verify) ms
+    # auto: batch -> (plain, greedy verify, sampled verify) ms
+    step_ms: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     force: bool | None = None  # set while warmup times one kind of step
 
     @property
@@ -64,8 +68,9 @@ class SpeculationPolicy:
             return self.stats.accept_length
         return self.prior_accept_length
 
-    def __call__(self, n: int) -> bool:
-        """Whether a step with n decoding requests verifies their trees."""
+    def __call__(self, n: int, greedy: bool = True) -> bool:
+        """Whether a step with n decoding requests verifies their trees (greedy: all of them are
+        greedy without logprobs)."""
         if self.force is not None:
             return self.force
         if self.max_batch is None:
@@ -74,12 +79,12 @@ class SpeculationPolicy:
             return n <= self.max_batch
         if not self.step_ms or self.accept_length is None:
             return True
-        plain, verify = self.step_times(n)
-        return self.accept_length * plain >= verify
+        plain, verify_greedy, verify_sampled = self.step_times(n)
+        return self.accept_length * plain >= (verify_greedy if greedy else verify_sampled)
 
-    def step_times(self, n: int) -> tuple[float, float]:
-        """(plain, verify) ms of a step of n requests: linear between the sizes timed, the
-        nearest one's outside them."""
+    def step_times(self, n: int) -> tuple[float, ...]:
+        """(plain, greedy verify, sampled verify) ms of a step of n requests: linear between the
+        sizes timed, the nearest one's outside them."""
         sizes = sorted(self.step_ms)
         i = bisect.bisect_left(sizes, n)
         if i == 0 or i == len(sizes):
@@ -88,9 +93,9 @@ class SpeculationPolicy:
         w = (n - lo) / (hi - lo)
         return tuple((1 - w) * a + w * b for a, b in zip(self.step_ms[lo], self.step_ms[hi]))
 
-    def largest_batch(self, max_seqs: int) -> int:
+    def largest_batch(self, max_seqs: int, greedy: bool = True) -> int:
         """The largest batch size up to max_seqs that verifies now (0: none)."""
-        return max((n for n in range(1, max_seqs + 1) if self(n)), default=0)
+        return max((n for n in range(1, max_seqs + 1) if self(n, greedy)), default=0)
 
     def describe(self, max_seqs: int) -> str:
         if self.max_batch is None:
@@ -99,7 +104,8 @@ class SpeculationPolicy:
             return f"Medusa verifies while at most {self.max_batch} requests decode"
         if not self.step_ms:
             return "Medusa verifies at every batch size until warmup times the steps (medusa_max_batch='auto')"
-        times = ", ".join(f"{n}: {p:.1f} / {v:.1f} ms" for n, (p, v) in sorted(self.step_ms.items()))
+        times = ", ".join(f"{n}: {p:.1f} / {g:.1f} / {v:.1f} ms" for n, (p, g, v) in sorted(self.step_ms.items()))
         accept = "unknown" if self.accept_length is None else f"{self.accept_length:.2f}"
-        return (f"Medusa verifies up to batch {self.largest_batch(max_seqs)} (medusa_max_batch='auto': accept length "
-                f"{accept}; plain / verify step at batch {times})")
+        return (f"Medusa verifies greedy batches up to {self.largest_batch(max_seqs)} requests, sampled ones up to "
+                f"{self.largest_batch(max_seqs, greedy=False)} (medusa_max_batch='auto': accept length {accept}; plain "
+                f"/ greedy verify / sampled verify step at batch {times})")
