@@ -81,7 +81,6 @@ def run_waves(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> 
         s = engine.spec
         steps = s.verify_steps - spec0.verify_steps
         out["accept_length"] = 1 + (s.accepted_tokens - spec0.accepted_tokens) / max(steps, 1)
-
         out["acceptance_per_depth"] = [(a - b) / max(steps, 1) for a, b in
                                        zip(s.accepted_per_depth, spec0.accepted_per_depth + [0] * len(s.accepted_per_depth))]
     return out
@@ -135,6 +134,7 @@ def main(argv=None) -> int:
         print(f"tree {name}: {engines[name].speculation.describe(max(args.batch))}", flush=True)
     print(f"compiled the plain decode and {len(engines)} tree-verify step(s) in {time.perf_counter() - t0:.0f} s", flush=True)
     results, lossless = {}, True
+
     def median(xs):
         return sorted(xs)[len(xs) // 2]
 

@@ -156,7 +156,7 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     fast = engine.runner.fast_greedy
     assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
     assert engine.runner.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
-    timed = engine.speculation.step_ms  # batch -> (plain, verify) ms, measured by warmup
+    timed = engine.speculation.step_ms  # batch -> (plain, greedy verify, sampled verify) ms, measured by warmup
     print(engine.speculation.describe(2))
     assert set(timed) == {1, 2} and all(len(ms) == 3 and all(0 < t < 1e3 for t in ms) for ms in timed.values())
     assert engine.spec.verify_steps == 0 and engine.num_generated_tokens == 0  # warmup's steps are not traffic

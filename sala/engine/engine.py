@@ -214,14 +214,13 @@ class Engine:
         policy = self.speculation
         with self._uncounted():
             if self.runner.fast_decode is not None:
-                # Medusa: greedy steps of one request and of several are two graphs (see CompiledTreeVerify);
-                # a batch with a sampled or logprobs request compiles its verify-only graph when it first runs.
+                # Medusa: verify steps of one request and of several are two graphs (see CompiledTreeVerify),
+                # and so are the greedy tails after them; sampled and logprobs batches accept eagerly.
                 for n in (1, 2) if self.runner.fast_tree is not None and self.cache.plan.max_seqs > 1 else (1,):
                     self.generate([prompt] * n, params)
                 if policy is not None and policy.max_batch is not None:  # plain decode steps too
-                    policy.force = False
-                    self.generate([prompt], params)
-                    policy.force = None
+                    with policy.forcing(False):
+                        self.generate([prompt], params)
             if policy is not None and policy.max_batch == "auto":
                 policy.step_ms = self._time_steps(prompt)
                 log.info(policy.describe(self.cache.plan.max_seqs))
@@ -239,16 +238,16 @@ class Engine:
             for temperature, kinds in ((0, (False, True)), (1, (True,))):
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
                 reqs = [self.add_request(prompt, params) for _ in range(n)]
-                for force in kinds:
-                    policy.force, ms = force, []
-                    while len(ms) < steps and self.has_work():
-                        pure = not self.scheduler.waiting and all(not r.prefilling for r in self.scheduler.running)
-                        t0 = time.perf_counter()
-                        self.step()
-                        if pure and len(self.scheduler.running) == n:
-                            ms.append(1e3 * (time.perf_counter() - t0))
+                for verify in kinds:
+                    ms = []
+                    with policy.forcing(verify):
+                        while len(ms) < steps and self.has_work():
+                            pure = not self.scheduler.waiting and all(not r.prefilling for r in self.scheduler.running)
+                            t0 = time.perf_counter()
+                            self.step()
+                            if pure and len(self.scheduler.running) == n:
+                                ms.append(1e3 * (time.perf_counter() - t0))
                     times.append(sorted(ms)[len(ms) // 2] if ms else math.inf)
-                policy.force = None
                 for r in reqs:
                     self.cancel(r)
                 while self.has_work():
@@ -266,8 +265,7 @@ class Engine:
         finally:
             self.num_prompt_tokens, self.num_generated_tokens, self.num_finished, spec, self.scheduler.num_preemptions = saved
             if spec is not None:  # in place: the speculation policy holds this object
-                self.spec.verify_steps, self.spec.draft_tokens = spec.verify_steps, spec.draft_tokens
-                self.spec.accepted_tokens, self.spec.accepted_per_depth = spec.accepted_tokens, spec.accepted_per_depth
+                vars(self.spec).update(vars(spec))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

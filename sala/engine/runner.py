@@ -44,6 +44,7 @@ from sala.context import Span, StepContext, TreeStep
 from sala.engine.cache import CachePool
 from sala.engine.request import Request
 from sala.engine.scheduler import Schedule
+from sala.engine.speculation import greedy_batch
 
 log = logging.getLogger(__name__)
 INVARIANT_ROWS = 8
@@ -192,7 +193,7 @@ class ModelRunner:
         if self.fast_tree is not None and ctx.tree is not None and not ctx.prefills:
             out = self.fast_tree(ids, ctx)
             if out is not None:
-                if self.fast_greedy is not None and all(r.params.greedy and r.params.logprobs is None for r in rows.verified):
+                if self.fast_greedy is not None and greedy_batch(rows.verified):
                     left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in rows.verified], device=self.device)
                     rows.speculated = self.fast_greedy(*out, ids, ctx, left)
                     if rows.speculated is not None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from sala.engine.cache import CacheFull, CachePool
 from sala.engine.prefix import PrefixCache
 from sala.engine.request import Request
+from sala.engine.speculation import greedy_batch
 
 
 class QueueFull(RuntimeError):
@@ -100,9 +101,10 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         batch = Schedule()
-        decoding = [r for r in self.running if not r.prefilling]
-        batch.speculative = self.lookahead > 0 and (self.speculate is None or self.speculate(
-            len(decoding), all(r.params.greedy and r.params.logprobs is None for r in decoding)))
+        batch.speculative = self.lookahead > 0
+        if batch.speculative and self.speculate is not None:
+            decoding = [r for r in self.running if not r.prefilling]
+            batch.speculative = self.speculate(len(decoding), greedy_batch(decoding))
         lookahead, decode_tokens = (self.lookahead, self.decode_tokens) if batch.speculative else (0, 1)
         for r in list(self.running):
             if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + lookahead,

@@ -27,11 +27,18 @@ accepts less, never anything wrong.
 from __future__ import annotations
 
 import bisect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from sala.engine.request import SpecStats
+from sala.engine.request import Request, SpecStats
 
 MIN_VERIFY_STEPS = 32
+
+
+def greedy_batch(reqs: list[Request]) -> bool:
+    """Greedy requests without logprobs only: their verify needs nothing but argmaxes (on CPU the
+    compiled greedy tail; a batch with any other request accepts eagerly)."""
+    return all(r.params.greedy and r.params.logprobs is None for r in reqs)
 
 
 class SpeculationSettingError(ValueError):
@@ -81,6 +88,15 @@ class SpeculationPolicy:
             return True
         plain, verify_greedy, verify_sampled = self.step_times(n)
         return self.accept_length * plain >= (verify_greedy if greedy else verify_sampled)
+
+    @contextmanager
+    def forcing(self, verify: bool):
+        """Every step verifies (True) or decodes plainly (False) inside the block: warmup's compiling and timing."""
+        self.force = verify
+        try:
+            yield
+        finally:
+            self.force = None
 
     def step_times(self, n: int) -> tuple[float, ...]:
         """(plain, greedy verify, sampled verify) ms of a step of n requests: linear between the
