@@ -58,9 +58,9 @@ def main() -> None:
     plan, plan_q = greedy_plan(plans["fp8"], quality["fp8"], sensitivity, measure, max_kl=budget, kv_format="nvfp4_4over6")
     plans["plan"], quality["plan"] = plan, plan_q
 
-    from tests.test_config import REAL_CONFIG  # the released config.json
+    from sala.config import MINICPM_SALA_9B  # the released config.json
 
-    big = SALAConfig(**REAL_CONFIG)
+    big = SALAConfig(**MINICPM_SALA_9B)
     big_amax = {i: {"k": [1.0] * big.num_key_value_heads, "v": [1.0] * big.num_key_value_heads} for i in big.sparse_layers}
     print(f"{'format':<14}{'9B B/token':>11}{'9B MiB/32K seq':>16}{'tiny B/token':>13}{'KL to unquantized':>19}{'top-1':>8}")
     rows = {}

@@ -90,9 +90,9 @@ def main():
     max_len = max(args.contexts) + args.new_tokens + 2
     base = long_model(tiny, max_len)
     config = base.config
-    from tests.test_config import REAL_CONFIG  # the released config.json
+    from sala.config import MINICPM_SALA_9B  # the released config.json
 
-    real = SALAConfig(**REAL_CONFIG)
+    real = SALAConfig(**MINICPM_SALA_9B)
     plans = {f: plan_for(config, f) for f in FORMATS}
     print(f"decode, tiny-sala bf16 ({len(config.sparse_layers)} sparse layers {config.sparse_layers}, "
           f"{len(config.lightning_layers)} lightning), dense attention, batch {args.batch}, {args.new_tokens} steps "

@@ -118,7 +118,8 @@ def main():
     args = ap.parse_args()
     require_gpu()
 
-    from kernels.nvfp4_gemm import nvfp4_matmul_reference, nvfp4_matmul_triton, sm_count, split_k_schedule
+    from kernels.nvfp4_gemm import nvfp4_matmul_reference, nvfp4_matmul_triton, schedule
+    from kernels.target import sm_count
 
     torch.manual_seed(0)
     peak = args.peak_gbps or peak_bandwidth_gbps()
@@ -138,7 +139,7 @@ def main():
         bf16_copies = [w_bf16.clone() for _ in range(copies_for(w_bf16.numel() * 2))]
         for m in ROWS:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            splits, _ = split_k_schedule(m, n, k, sms)
+            _, splits, _ = schedule(m, n, k, x.device)
             ref = nvfp4_matmul_reference(x, packed, scale, gscale).float()
             schedules = {"tiled": 1, "split": None} if splits > 1 else {"tiled": 1}
             rel_err = 0.0

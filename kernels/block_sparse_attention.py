@@ -12,6 +12,8 @@ softmax.
 """
 import torch
 
+from kernels import target
+
 try:
     import triton
     import triton.language as tl
@@ -47,15 +49,17 @@ def block_sparse_attention_reference(q, k, v, pos, block_idx, block_size: int, s
 
 
 if triton is not None:
+    from kernels.target import FP32_DOT
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_keys", "num_sel"])
     def _block_sparse_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, idx_ptr, o_ptr, scale, num_keys,
+        q_ptr, k_ptr, v_ptr, pos_ptr, idx_ptr, o_ptr, scale, num_keys, num_sel,
         stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ih, stride_it, stride_ot, stride_oh,
-        NUM_SEL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
-        """Program (query t, kv head): the GROUP query heads over the selected blocks, in list order."""
+        """Program (query t, kv head): the GROUP query heads over the selected blocks, in list
+        order (num_sel of them: a runtime bound, or every selection width would compile anew)."""
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         rh = tl.arange(0, BLOCK_H)
@@ -64,13 +68,15 @@ if triton is not None:
         rd = tl.arange(0, BLOCK_D)
         d_ok = rd < HEAD_DIM
         q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + rd[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         p_t = tl.load(pos_ptr + t)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
         rn = tl.arange(0, BLOCK_SIZE)
-        for i in range(NUM_SEL):
+        for i in range(num_sel):
             b = tl.load(idx_ptr + kvh * stride_ih + t * stride_it + i)
             kp = b * BLOCK_SIZE + rn
             # (b + rn * 0: a block, since the interpreter rejects a scalar bool & a block)
@@ -78,7 +84,9 @@ if triton is not None:
             kv_ok = ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kp[:, None] * stride_kl + kvh * stride_kh + rd[None, :], mask=kv_ok, other=0.0)
             v = tl.load(v_ptr + kp[:, None] * stride_vl + kvh * stride_vh + rd[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * scale
             s = tl.where(ok[None, :], s, float("-inf"))
             # A block with no valid key leaves the state as it is (its row max is -inf).
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -86,7 +94,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=FP32_DOT)
             m_i = m_new
         o = acc / l_i[:, None]
         tl.store(o_ptr + t * stride_ot + heads[:, None] * stride_oh + rd[None, :], o.to(o_ptr.dtype.element_ty),
@@ -100,11 +108,12 @@ def block_sparse_attention_triton(q, k, v, pos, block_idx, block_size: int, scal
     o = torch.empty_like(q)
     group = hq // hkv
     _block_sparse_kernel[(t, hkv)](
-        q, k, v, pos, block_idx, o, scale, k.shape[0],
+        q, k, v, pos, block_idx, o, scale, k.shape[0], block_idx.shape[2],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_idx.stride(0), block_idx.stride(1), o.stride(0), o.stride(1),
-        NUM_SEL=block_idx.shape[2], GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,
+        GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        UPCAST=target.INTERPRETED,  # on a GPU bf16 tiles go to the tensor cores as they are
     )  # fmt: skip
     return o
 
@@ -113,6 +122,6 @@ def block_sparse_attention(q, k, v, pos, block_idx, block_size: int, scale: floa
     """q [T, Hq, D]; k, v [L, Hkv, D]; pos [T] query positions; block_idx [Hkv, T, K] selected
     blocks (< 0: unused; every query needs one valid key, e.g. its own block). Returns [T, Hq, D]
     in q's dtype. Triton kernel on CUDA, torch reference elsewhere."""
-    if q.is_cuda and triton is not None:
+    if target.on_gpu(q):
         return block_sparse_attention_triton(q, k, v, pos, block_idx, block_size, scale)
     return block_sparse_attention_reference(q, k, v, pos, block_idx, block_size, scale)

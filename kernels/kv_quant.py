@@ -27,10 +27,11 @@ try:
 except ImportError:  # CPU installs may lack triton; the torch codecs still work
     triton = None
 
+from kernels import target
 from kernels.nvfp4_gemm import GROUP_SIZE
 
 if triton is not None:
-    from kernels.nvfp4_gemm import e2m1_decode
+    from kernels.nvfp4_gemm import e2m1_decode, e4m3_to_float
 
     FP8_MAX = tl.constexpr(448.0)
     FP4_MAX = tl.constexpr(6.0)
@@ -89,9 +90,9 @@ if triton is not None:
         return mag | ((y < 0).to(tl.uint8) << 3)
 
     @triton.jit
-    def _fp8_scale(s):
+    def _fp8_scale(s, NATIVE_FP8: tl.constexpr):
         """fp32 value of the FP8 group scale for unrounded scale s (RNE, saturating, never 0)."""
-        s8 = _e4m3_bits(s).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s8 = e4m3_to_float(_e4m3_bits(s), NATIVE_FP8)
         return tl.where(s8 == 0, FP8_ZERO_SCALE_EPS, s8)
 
     @triton.jit
@@ -101,11 +102,11 @@ if triton is not None:
         do = e2m1_decode(_e2m1_codes(tl.math.div_rn(x_odd, step))) * step - x_odd
         return tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["four_over_six"])  # a branch, not a second kernel
     def _nvfp4_write_kernel(
-        x_ptr, rows_ptr, data_ptr, gs_ptr, g_ptr,
+        x_ptr, rows_ptr, data_ptr, gs_ptr, g_ptr, four_over_six,
         stride_xn, stride_xh, stride_xd,
-        GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, FOUR_OVER_SIX: tl.constexpr,
+        GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, NATIVE_FP8: tl.constexpr,
     ):  # fmt: skip
         n = tl.program_id(0)
         h = tl.program_id(1)
@@ -120,9 +121,9 @@ if triton is not None:
         g = tl.load(g_ptr)
         amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
         unrounded = tl.math.div_rn(amax, FP4_MAX) * g  # amax / 6 first, then * global, as the codec
-        scale = _fp8_scale(unrounded)
-        if FOUR_OVER_SIX:
-            scale4 = _fp8_scale(1.5 * unrounded)
+        scale = _fp8_scale(unrounded, NATIVE_FP8)
+        if four_over_six:
+            scale4 = _fp8_scale(1.5 * unrounded, NATIVE_FP8)
             m4 = _sq_error(x_even, x_odd, tl.math.div_rn(scale4, g)[:, None]) < _sq_error(
                 x_even, x_odd, tl.math.div_rn(scale, g)[:, None])
             scale = tl.where(m4, scale4, scale)
@@ -158,10 +159,11 @@ def fp8_write_triton(x, rows, data, row_scale=None, head_scale=None) -> None:
         raise ValueError(f"row_scale must be contiguous fp32 {tuple(data.shape[:3])}, got {tuple(row_scale.shape)}")
     if n == 0:
         return
-    rs = data if row_scale is None else row_scale
+    data = _bytes(data)  # the interpreter and GPUs before sm_89 have no FP8 type
+    rs = data if row_scale is None else row_scale  # never read
     hs = data if head_scale is None else head_scale
     _fp8_write_kernel[(n, hkv)](
-        x, rows, _bytes(data), rs, hs, x.stride(0), x.stride(1), x.stride(2),
+        x, rows, data, rs, hs, x.stride(0), x.stride(1), x.stride(2),
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), ROW_SCALE=row_scale is not None,
     )  # fmt: skip
 
@@ -178,6 +180,6 @@ def nvfp4_write_triton(x, rows, data, group_scale, global_scale, four_over_six: 
     if n == 0:
         return
     _nvfp4_write_kernel[(n, hkv)](
-        x, rows, data, _bytes(group_scale), global_scale.float(), x.stride(0), x.stride(1), x.stride(2),
-        GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups), FOUR_OVER_SIX=four_over_six,
+        x, rows, data, _bytes(group_scale), global_scale.float(), int(four_over_six), x.stride(0), x.stride(1), x.stride(2),
+        GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups), NATIVE_FP8=target.native_fp8(x.device),
     )  # fmt: skip

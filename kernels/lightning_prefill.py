@@ -5,13 +5,16 @@ q, k [B, H, T, Dk], v [B, H, T, Dv], g [H] log-decays, state [B, H, Dk, Dv] (or 
 `lengths` [B] optional: sequence b is its first lengths[b] tokens (a right-padded batch), its
 final state taken there and its outputs past there left zero. Returns (o [B, H, T, Dv], final).
 
-The Triton kernel runs one program per (sequence, head, BLOCK_V columns of the state): the
-state slice [Dk, BLOCK_V] stays in registers across the whole prompt while C-token chunks stream
-through it, as flash-linear-attention's fused chunk kernels do: per chunk
-    o     = scale [ ((q k^T) * D) v + (q * exp(g (i + 1))) S ]      D[i, j] = exp(g (i - j)), j <= i
+The Triton kernel runs one program per (sequence, head, BLOCK_V columns of the state) over
+the whole prompt, C-token chunks streaming through the state slice [Dk, BLOCK_V], as
+flash-linear-attention's fused chunk kernels do: per chunk
+    o     = scale [ ((q k^T) * D) v + exp(g (i + 1)) (q S) ]        D[i, j] = exp(g (i - j)), j <= i
     S'    = exp(g m) S + (k * exp(g (m - 1 - j)))^T v               m = the chunk's tokens
-so the prompt is read once and no per-chunk state is ever written to memory. The torch reference
-below is the same loop, one chunk at a time (sala/lightning.py batches the chunks instead).
+The products over Dk are summed BLOCK_K columns at a time, and the state slice lives in the
+output `final` (where it ends anyway), read and rewritten BLOCK_K rows at a time each chunk: a
+program's 32 KiB stays in L2, and no [C, Dk] or [Dk, BLOCK_V] tile has to fit in registers
+(held there, Dk = 128 spilled on every target but sm_90 / sm_100). The torch reference below is
+the same loop, one chunk at a time (sala/lightning.py batches the chunks instead).
 """
 import torch
 
@@ -21,7 +24,9 @@ try:
 except ImportError:  # CPU installs may lack triton; the torch reference still works
     triton = None
 
-CHUNK = 64
+# Tiles (8 warps): from the compile check (sala/compile_check.py), the largest without spills
+# on every target at Dk = Dv = 128: about 158 registers, 17 KiB of shared memory.
+CHUNK, BLOCK_K, BLOCK_V = 32, 16, 64
 
 
 def _check(q, k, v, g, state, lengths):
@@ -59,8 +64,9 @@ def lightning_prefill_reference(q, k, v, g, scale: float, state=None, lengths=No
 
 
 if triton is not None:
+    from kernels.target import FP32_DOT
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _lightning_prefill_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, s0_ptr, o_ptr, sf_ptr, len_ptr, scale, num_tokens,
         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, ssb, ssh, ssk, sfb, sfh, sfk,
@@ -71,17 +77,19 @@ if triton is not None:
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H
-        rk = tl.arange(0, BLOCK_K)
         rv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         rc = tl.arange(0, C)
-        k_ok = rk < DK
         v_ok = rv < DV
-        s_mask = k_ok[:, None] & v_ok[None, :]
         g = tl.load(g_ptr + h).to(tl.float32)
-        if HAS_STATE:
-            s = tl.load(s0_ptr + b * ssb + h * ssh + rk[:, None] * ssk + rv[None, :], mask=s_mask, other=0.0).to(tl.float32)
-        else:
-            s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+        state = sf_ptr + b * sfb + h * sfh + rv[None, :]
+        for k0 in range(0, DK, BLOCK_K):  # the initial state into `final`
+            rk = k0 + tl.arange(0, BLOCK_K)
+            s_mask = (rk < DK)[:, None] & v_ok[None, :]
+            if HAS_STATE:
+                s = tl.load(s0_ptr + b * ssb + h * ssh + rk[:, None] * ssk + rv[None, :], mask=s_mask, other=0.0)
+            else:
+                s = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+            tl.store(state + rk[:, None] * sfk, s, mask=s_mask)
         n = num_tokens
         if HAS_LENGTHS:
             n = tl.load(len_ptr + b)
@@ -93,22 +101,36 @@ if triton is not None:
         for start in range(0, n, C):
             t = start + rc
             t_ok = t < n
-            qk_mask = t_ok[:, None] & k_ok[None, :]
-            q = tl.load(q_ptr + b * sqb + h * sqh + t[:, None] * sqt + rk[None, :], mask=qk_mask, other=0.0)
-            k = tl.load(k_ptr + b * skb + h * skh + t[:, None] * skt + rk[None, :], mask=qk_mask, other=0.0)
             v = tl.load(v_ptr + b * svb + h * svh + t[:, None] * svt + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
                         other=0.0)
-            attn = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
-            o = tl.dot(attn, v, input_precision="ieee") + tl.dot(q * q_decay[:, None], s, input_precision="ieee")
+            attn = tl.zeros((C, C), dtype=tl.float32)
+            inter = tl.zeros((C, BLOCK_V), dtype=tl.float32)
+            tl.debug_barrier()  # the state rows other threads stored are visible
+            for k0 in range(0, DK, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                qk_mask = t_ok[:, None] & (rk < DK)[None, :]
+                q = tl.load(q_ptr + b * sqb + h * sqh + t[:, None] * sqt + rk[None, :], mask=qk_mask, other=0.0)
+                k = tl.load(k_ptr + b * skb + h * skh + t[:, None] * skt + rk[None, :], mask=qk_mask, other=0.0)
+                s = tl.load(state + rk[:, None] * sfk, mask=(rk < DK)[:, None] & v_ok[None, :], other=0.0)
+                attn = tl.dot(q, tl.trans(k), attn, input_precision=FP32_DOT)
+                inter = tl.dot(q, s, inter, input_precision=FP32_DOT)
+            o = tl.dot(attn * decay, v, input_precision=FP32_DOT) + q_decay[:, None] * inter
             tl.store(o_ptr + b * sob + h * soh + t[:, None] * sot + rv[None, :], o * scale,
                      mask=t_ok[:, None] & v_ok[None, :])
             m = tl.minimum(n - start, C).to(tl.float32)
             w = tl.exp(tl.where(t_ok, g * (m - 1 - i), float("-inf")))
-            s = tl.exp(g * m) * s + tl.dot(tl.trans(k * w[:, None]), v, input_precision="ieee")
-        tl.store(sf_ptr + b * sfb + h * sfh + rk[:, None] * sfk + rv[None, :], s, mask=s_mask)
+            for k0 in range(0, DK, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                s_mask = (rk < DK)[:, None] & v_ok[None, :]
+                k = tl.load(k_ptr + b * skb + h * skh + t[:, None] * skt + rk[None, :], mask=t_ok[:, None] & (rk < DK)[None, :],
+                            other=0.0)
+                s = tl.load(state + rk[:, None] * sfk, mask=s_mask, other=0.0)
+                s = tl.exp(g * m) * s + tl.dot(tl.trans(k * w[:, None]), v, input_precision=FP32_DOT)
+                tl.debug_barrier()  # every thread has read these rows before any is rewritten
+                tl.store(state + rk[:, None] * sfk, s, mask=s_mask)
 
 
-def lightning_prefill_triton(q, k, v, g, scale: float, state=None, lengths=None, chunk: int = CHUNK, block_v: int = 64):
+def lightning_prefill_triton(q, k, v, g, scale: float, state=None, lengths=None, chunk: int = CHUNK, block_v: int = BLOCK_V):
     b, h, t, dk, dv = _check(q, k, v, g, state, lengths)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     o = q.new_zeros(b, h, t, dv)
@@ -121,7 +143,7 @@ def lightning_prefill_triton(q, k, v, g, scale: float, state=None, lengths=None,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), s0.stride(0), s0.stride(1), s0.stride(2),
         final.stride(0), final.stride(1), final.stride(2),
-        H=h, DK=dk, DV=dv, C=chunk, BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v,
-        HAS_STATE=state is not None, HAS_LENGTHS=lengths is not None,
+        H=h, DK=dk, DV=dv, C=chunk, BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(dk))), BLOCK_V=block_v,
+        HAS_STATE=state is not None, HAS_LENGTHS=lengths is not None, num_warps=8,
     )  # fmt: skip
     return o, final

@@ -13,11 +13,16 @@ state is advanced along the accepted path (sala/lightning_tree.py, commit_path).
 The Triton kernel runs one program per (request, head, Dv block): the tree's T <= 64-ish
 nodes fit one tile, so it is one Q K^T, one masked decay, two dots. The exponent is computed
 only where the mask is set: elsewhere d_i - d_j can be negative and exp would overflow.
+Tiles (BLOCK_K x BLOCK_V, 8 warps, per target): from the compile check (sala/compile_check.py),
+the largest without spills at Dk = 128 and 64 nodes: sm_90 / sm_100's warpgroup MMAs hold a
+[16, 64] state block in 140 registers, the older MMAs of sm_80 / sm_89 / sm_120 [16, 32] in 231.
 
 Shapes: q, k [B, H, T, Dk], v [B, H, T, Dv], state [B, H, Dk, Dv] fp32, g [H], depths [T]
 (long), ancestor_mask [T, T] bool. Output [B, H, T, Dv] fp32.
 """
 import torch
+
+from kernels import target
 
 try:
     import triton
@@ -25,6 +30,8 @@ try:
 except ImportError:  # CPU installs may lack triton; the torch reference still works
     triton = None
 
+
+TILES = {80: (16, 32), 90: (16, 64), 120: (16, 32)}  # (BLOCK_K, BLOCK_V) by target.pick
 
 def _check(q, k, v, state, g, depths, ancestor_mask) -> None:
     b, h, t, dk = q.shape
@@ -52,29 +59,37 @@ def tree_verify_reference(q, k, v, g, scale: float, state, depths, ancestor_mask
 
 
 if triton is not None:
+    from kernels.target import FP32_DOT
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _tree_verify_kernel(
         q_ptr, k_ptr, v_ptr, s_ptr, g_ptr, d_ptr, m_ptr, o_ptr, scale, T, DK, DV,
         sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, ss_k, so_b, so_h, so_t, sm_i,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    ):
+    ):  # fmt: skip
+        """Program (request, head, Dv block). The two products over Dk (q k^T and q S) are summed
+        BLOCK_K columns at a time, so no [T, Dk] or [Dk, Dv] tile has to fit in registers."""
         b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rt = tl.arange(0, BLOCK_T)
-        rk = tl.arange(0, BLOCK_K)
         rv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        t_ok, k_ok, v_ok = rt < T, rk < DK, rv < DV
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + rt[:, None] * sq_t + rk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + rt[:, None] * sk_t + rk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        t_ok, v_ok = rt < T, rv < DV
+        scores = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+        qs = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+        for k0 in range(0, DK, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            tk_ok = t_ok[:, None] & (rk < DK)[None, :]
+            q = tl.load(q_ptr + b * sq_b + h * sq_h + rt[:, None] * sq_t + rk[None, :], mask=tk_ok, other=0.0)
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + rt[:, None] * sk_t + rk[None, :], mask=tk_ok, other=0.0)
+            s = tl.load(s_ptr + b * ss_b + h * ss_h + rk[:, None] * ss_k + rv[None, :],
+                        mask=(rk < DK)[:, None] & v_ok[None, :], other=0.0)
+            scores = tl.dot(q, tl.trans(k), scores, input_precision=FP32_DOT)
+            qs = tl.dot(q, s, qs, input_precision=FP32_DOT)
         v = tl.load(v_ptr + b * sv_b + h * sv_h + rt[:, None] * sv_t + rv[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0)
-        s = tl.load(s_ptr + b * ss_b + h * ss_h + rk[:, None] * ss_k + rv[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         gh = tl.load(g_ptr + h)
         depth = tl.load(d_ptr + rt, mask=t_ok, other=0).to(tl.float32)
         anc = tl.load(m_ptr + rt[:, None] * sm_i + rt[None, :], mask=t_ok[:, None] & t_ok[None, :], other=0) != 0
         expo = tl.where(anc, gh * (depth[:, None] - depth[None, :]), float("-inf"))
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * tl.exp(expo)
-        out = tl.dot(scores, v, input_precision="ieee")
-        out += tl.exp(gh * (depth + 1.0))[:, None] * tl.dot(q, s, input_precision="ieee")
+        out = tl.dot(scores * tl.exp(expo), v, input_precision=FP32_DOT) + tl.exp(gh * (depth + 1.0))[:, None] * qs
         tl.store(o_ptr + b * so_b + h * so_h + rt[:, None] * so_t + rv[None, :], out * scale, mask=t_ok[:, None] & v_ok[None, :])
 
 
@@ -86,19 +101,20 @@ def tree_verify_triton(q, k, v, g, scale: float, state, depths, ancestor_mask) -
     dv = v.shape[-1]
     o = torch.empty(b, h, t, dv, dtype=torch.float32, device=q.device)
     mask = ancestor_mask.to(torch.int8).contiguous()
-    block_v = min(64, max(16, triton.next_power_of_2(dv)))
+    block_k, block_v = target.pick(TILES, q.device)
+    block_k, block_v = min(block_k, max(16, triton.next_power_of_2(dk))), min(block_v, max(16, triton.next_power_of_2(dv)))
     _tree_verify_kernel[(b, h, triton.cdiv(dv, block_v))](
         q, k, v, state, g.float().contiguous(), depths.contiguous(), mask, o, scale, t, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1), o.stride(2),
         mask.stride(0),
-        BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8,
     )  # fmt: skip
     return o
 
 
 def lightning_tree_verify(q, k, v, g, scale: float, state, depths, ancestor_mask) -> torch.Tensor:
     """Outputs of every tree node (see the module docstring). Triton on CUDA, torch elsewhere."""
-    if q.is_cuda and triton is not None:
+    if target.on_gpu(q):
         return tree_verify_triton(q, k, v, g, scale, state, depths, ancestor_mask)
     return tree_verify_reference(q, k, v, g, scale, state, depths, ancestor_mask)

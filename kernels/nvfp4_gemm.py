@@ -20,10 +20,11 @@ fixed order (deterministic: no atomics), divides by the global scale, adds the b
 The number of splits depends on N, K and the SM count only, never on M, so a row's result
 does not change with how many other rows (up to 16) share the call.
 """
-import functools
-import os
+from dataclasses import dataclass
 
 import torch
+
+from kernels import target
 
 try:
     import triton
@@ -39,14 +40,12 @@ E2M1_VALUES = torch.tensor(
     dtype=torch.float32,
 )
 GROUP_SIZE = 16
-BLOCK_N, BLOCK_K = 64, 64
 SPLIT_K_MAX_M = 16  # up to here a decode batch fits one 16-row tl.dot tile: the split-K regime
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
-# The interpreter has no SMs; a small fixed count makes the tests' small shapes split 2-3 ways.
-INTERPRETER_SM_COUNT = 4
 
 
 if triton is not None:
+    from kernels.target import FP32_DOT
 
     @triton.jit
     def e2m1_decode(code):
@@ -59,16 +58,32 @@ if triton is not None:
         return tl.where((code & 8) != 0, -mag, mag)
 
     @triton.jit
+    def e4m3_to_float(bits, NATIVE: tl.constexpr):
+        """fp32 value of FP8 E4M3 (the "fn" variant: no infinities, NaN at 0x7F / 0xFF) bytes,
+        shared by every kernel that reads FP8 scales or pages. NATIVE: the conversion
+        instruction (sm_89 and newer). Otherwise integer operations, exact for all 256 codes,
+        since older GPUs have no FP8 type: the byte's exponent and mantissa fields, shifted
+        into an fp16's (bias 15 instead of 7), are the value times 2^-8, subnormals included
+        (fp16 keeps its subnormals, fp32 arithmetic may flush them)."""
+        if NATIVE:
+            return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            b = bits.to(tl.uint16)
+            h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+            x = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+            return tl.where((b & 0x7F) == 0x7F, float("nan"), x)
+
+    @triton.jit(do_not_specialize=["M", "stride_g"])  # any batch, either global scale: one kernel
     def _nvfp4_matmul_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr,
         M, N, K, K_PER_SPLIT,
         stride_xm, stride_xk, stride_wn, stride_sn, stride_ym, stride_ys, stride_g,
-        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PARTIAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PARTIAL: tl.constexpr, NATIVE_FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Output tile (pid_m, pid_n) summed over K range pid_k. PARTIAL: store the raw fp32
         sum at y_ptr + pid_k * stride_ys (the reduce kernel finishes it); otherwise divide by
-        the global scale, add the bias and store in y's dtype."""
+        the global scale, add the bias and store in y's dtype. s_ptr: the FP8 scales' bytes."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -93,13 +108,13 @@ if triton is not None:
             w_ok = n_ok[:, None] & j_ok[None, :]
             byte = tl.load(w_ptr + rn[:, None] * stride_wn + rj[None, :], w_ok, other=0)
             # Group g = column // 16 = byte // 8.
-            scale = tl.load(s_ptr + rn[:, None] * stride_sn + (rj // 8)[None, :], w_ok, other=0.0).to(tl.float32)
+            scale = e4m3_to_float(tl.load(s_ptr + rn[:, None] * stride_sn + (rj // 8)[None, :], w_ok, other=0), NATIVE_FP8)
             for half in tl.static_range(2):  # low nibble = even column, high = odd
                 code = (byte >> (4 * half)) & 0xF
                 w = e2m1_decode(code) * scale
                 x = x_even if half == 0 else x_odd
                 if DOT_FP32:
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=FP32_DOT)
                 else:
                     acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         out_ok = m_ok[:, None] & n_ok[None, :]
@@ -116,7 +131,7 @@ if triton is not None:
                 mask=out_ok,
             )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["SPLITS", "stride_g"])
     def _split_k_reduce_kernel(
         p_ptr, g_ptr, b_ptr, y_ptr,
         N, SPLITS, stride_ps, stride_pm, stride_ym, stride_g,
@@ -135,40 +150,50 @@ if triton is not None:
         tl.store(y_ptr + pid_m * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    # Cached: the device query costs microseconds, as much as the decode GEMV itself.
-    return torch.cuda.get_device_properties(index).multi_processor_count
+@dataclass(frozen=True)
+class Tiles:
+    """A schedule's tile: BLOCK_M rows of x, BLOCK_N output columns, BLOCK_K of K an iteration."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; INTERPRETER_SM_COUNT anywhere else."""
-    if device.type != "cuda":
-        return INTERPRETER_SM_COUNT
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+# By target (kernels/target.pick). Decode (M <= 16, split-K) is bound by reading the weight,
+# so its tile is sized for bytes in flight: (programs an SM holds) x (BLOCK_N x BLOCK_K x 9/16
+# bytes of codes and scales an iteration) against bandwidth x latency (sala/compile_check.py
+# prints both). 64 x 64 covers sm_80 / sm_89 / sm_120 (6 programs of 79 registers, 14 KiB);
+# sm_90 / sm_100 need 22 / 38 KiB, and 64 x 128 (4 programs of 112 registers) reaches 18 KiB:
+# larger tiles take registers faster than they add bytes. Tiled (M > 16) is prefill's schedule.
+DECODE_TILES = {80: Tiles(16, 64, 64, 4), 90: Tiles(16, 64, 128, 4), 120: Tiles(16, 64, 64, 4)}
+TILED_TILES = {80: Tiles(64, 64, 64, 4)}
 
 
-def split_k_schedule(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
-    """(splits, K columns per split) for an [m, k] x [k, n] call on a device with `sms` SMs.
+def schedule(m: int, n: int, k: int, device: torch.device) -> tuple[Tiles, int, int]:
+    """(tiles, splits, K columns per split) for an [m, k] x [k, n] call on `device`.
 
     M > 16 keeps the tiled schedule (one split). Below, aim for PROGRAMS_PER_SM programs per
     SM: cut K into as many BLOCK_K-aligned ranges as the N tiles leave room for, never more
     than there are K blocks. Depends on shapes only, so a CUDA graph captures it."""
-    k_blocks = _cdiv(k, BLOCK_K)
     if m > SPLIT_K_MAX_M:
-        return 1, k_blocks * BLOCK_K
-    return _splits_of(k_blocks, _cdiv(PROGRAMS_PER_SM * sms, _cdiv(n, BLOCK_N)))
+        tiles = target.pick(TILED_TILES, device)
+        return tiles, 1, _cdiv(k, tiles.block_k) * tiles.block_k
+    tiles = target.pick(DECODE_TILES, device)
+    want = _cdiv(PROGRAMS_PER_SM * target.sm_count(device), _cdiv(n, tiles.block_n))
+    return tiles, *_splits_of(k, tiles.block_k, want)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _splits_of(k_blocks: int, want: int) -> tuple[int, int]:
-    """At most `want` (>= 1) BLOCK_K-aligned K ranges of equal length, the last maybe shorter:
+def _splits_of(k: int, block_k: int, want: int) -> tuple[int, int]:
+    """At most `want` (>= 1) block_k-aligned ranges of K of equal length, the last maybe shorter:
     (how many, columns each)."""
+    k_blocks = _cdiv(k, block_k)
     per_split = _cdiv(k_blocks, max(1, min(want, k_blocks)))
-    return _cdiv(k_blocks, per_split), per_split * BLOCK_K
+    return _cdiv(k_blocks, per_split), per_split * block_k
 
 
 def _global_scale_stride(global_scale: torch.Tensor, n: int) -> int:
@@ -191,8 +216,8 @@ def nvfp4_matmul_triton(
 ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32) -> y [M, N] in x's dtype, through the Triton kernel.
 
-    ``split_k``: None picks the schedule (split-K for M <= 16, see ``split_k_schedule``); 1
-    forces the tiled schedule; s > 1 forces s-way split-K (benchmarks and tests)."""
+    ``split_k``: None picks the schedule (split-K for M <= 16, see ``schedule``); 1 forces
+    one split; s > 1 forces s-way split-K (benchmarks and tests)."""
     m, k = x.shape
     n = packed.shape[0]
     if k != 2 * packed.shape[1] or scale.shape != (n, k // GROUP_SIZE):
@@ -201,30 +226,27 @@ def nvfp4_matmul_triton(
             f"and scales {tuple(scale.shape)}"
         )
     stride_g = _global_scale_stride(global_scale, n)
-    packed, scale = packed.contiguous(), scale.contiguous()
+    packed, scale = packed.contiguous(), scale.contiguous().view(torch.uint8)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if split_k is None:
-        splits, k_per_split = split_k_schedule(m, n, k, sm_count(x.device))
-    else:
-        splits, k_per_split = _splits_of(_cdiv(k, BLOCK_K), split_k)
+    tiles, splits, k_per_split = schedule(m, n, k, x.device)
+    if split_k is not None:
+        splits, k_per_split = _splits_of(k, tiles.block_k, split_k)
+    # fp32 activations get an fp32 dot (target.FP32_DOT). Under the interpreter a bf16 dot runs
+    # in fp32 too (target.INTERPRETED): the same products (both operands are exact in bf16),
+    # summed in fp32 as the tensor cores do.
+    dot_fp32 = x.dtype == torch.float32 or (target.INTERPRETED and x.dtype == torch.bfloat16)
+    b_arg = bias if bias is not None else y  # never read without HAS_BIAS
     # tl.dot needs at least 16 rows; decode (M = 1) pays for the padding in compute, not in
     # memory traffic, which is what bounds it.
-    block_m = 16 if m <= 16 else 64
-    # fp32 activations get an exact fp32 dot (not TF32). Triton's interpreter multiplies bf16
-    # operands of tl.dot as raw uint16 bit patterns (triton-lang/triton#11584), so under it a
-    # bf16 dot runs in fp32 too: the same products (both operands are exact in bf16), summed
-    # in fp32 as the tensor cores do.
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    dot_fp32 = x.dtype == torch.float32 or (interpreted and x.dtype == torch.bfloat16)
-    b_arg = bias if bias is not None else y  # never read without HAS_BIAS
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), splits)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), splits)
+    meta = dict(DOT_FP32=dot_fp32, NATIVE_FP8=target.native_fp8(x.device), BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
     if splits == 1:
         _nvfp4_matmul_kernel[grid](
             x, packed, scale, global_scale, b_arg, y,
             m, n, k, k_per_split,
             x.stride(0), x.stride(1), packed.stride(0), scale.stride(0), y.stride(0), 0, stride_g,
-            HAS_BIAS=bias is not None, DOT_FP32=dot_fp32, PARTIAL=False,
-            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            HAS_BIAS=bias is not None, PARTIAL=False, **meta,
         )  # fmt: skip
         return y
     # Sized from shapes only (no host sync), so the call stays CUDA-graph capturable.
@@ -233,8 +255,7 @@ def nvfp4_matmul_triton(
         x, packed, scale, global_scale, b_arg, partial,
         m, n, k, k_per_split,
         x.stride(0), x.stride(1), packed.stride(0), scale.stride(0), partial.stride(1), partial.stride(0), stride_g,
-        HAS_BIAS=False, DOT_FP32=dot_fp32, PARTIAL=True,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        HAS_BIAS=False, PARTIAL=True, **meta,
     )  # fmt: skip
     reduce_block = 256
     _split_k_reduce_kernel[(m, triton.cdiv(n, reduce_block))](
@@ -299,7 +320,7 @@ def nvfp4_linear(
     """y [..., N] = x [..., K] @ W^T (+ bias): Triton kernel on CUDA, torch reference elsewhere.
     global_scale is [1] or [N]."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x.is_cuda and triton is not None:
+    if target.on_gpu(x2):
         y = nvfp4_matmul_triton(x2, packed, scale, global_scale, bias)
     else:
         y = nvfp4_matmul_reference(x2, packed, scale, global_scale, bias)

@@ -15,8 +15,7 @@ The Triton kernel (flash decoding) runs one program per (sequence, kv head, cont
   unnormalised output, running max and sum; a second kernel merges the splits of each query
   head in split order. The split length is a fixed number of tokens, not a function of the
   batch, so a sequence's result does not depend on what else is in the batch (engine.md,
-  Determinism); with one split the first kernel writes the output itself, bit-identical to the
-  merge of one split.
+  Determinism). A context of one split goes through the merge too.
 
 Quantized pages (sala/kv formats) go through the same kernel, dequantized in registers: FP8
 E4M3 bytes, or NVFP4 (two E2M1 codes a byte, one FP8 scale per 16 elements of head_dim). A
@@ -33,11 +32,12 @@ the call is CUDA-graph capturable; programs whose split starts past their sequen
 nothing, and the loop inside a program stops at the context, so a block table far wider than
 the contexts costs only empty programs.
 """
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import target
 
 try:
     import triton
@@ -123,25 +123,37 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_
 
 
 if triton is not None:
-    from kernels.nvfp4_gemm import e2m1_decode
+    from kernels.nvfp4_gemm import e2m1_decode, e4m3_to_float
+    from kernels.target import FP32_DOT
 
     @triton.jit
-    def _load_tile(ptr, row_off, srow, rd, mask, s_ptr, stride_d, FMT: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """[BLOCK_N, BLOCK_D] values of the keys at element offsets row_off (pool row srow,
-        the index of its scales) with the per-key and per-head scales left out, exact in
-        fp32. Dense tiles come back as stored."""
-        if FMT == 3:  # NVFP4: element d is nibble d % 2 of byte d // 2, its scale is group d // 16
-            byte = tl.load(ptr + row_off[:, None] + (rd // 2)[None, :] * stride_d, mask=mask, other=0)
-            code = (byte >> ((rd % 2) * 4)[None, :]) & 0xF
-            gs = tl.load(s_ptr + srow[:, None] * (HEAD_DIM // 16) + (rd // 16)[None, :], mask=mask, other=0)
-            return e2m1_decode(code) * gs.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        elif FMT != 0:  # FP8 bytes
-            x = tl.load(ptr + row_off[:, None] + rd[None, :] * stride_d, mask=mask, other=0)
-            return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    def _load_tile(rows, srow, t_ok, s_ptr, stride_d, FMT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_FP8: tl.constexpr):
+        """[BLOCK_N, BLOCK_D] values of the keys whose rows start at the pointers `rows` (pool
+        row srow, the index of its scales; t_ok the keys to read) with the per-key and per-head
+        scales left out, exact in fp32. Dense tiles come back as stored."""
+        if FMT == 3:
+            # NVFP4: each byte read once, its nibbles interleaved into elements 2j (low) and 2j + 1
+            # (high), each FP8 group scale read once and spread over its 16 elements.
+            rj = tl.arange(0, BLOCK_D // 2)
+            byte = tl.load(rows[:, None] + rj[None, :] * stride_d, mask=t_ok[:, None] & (rj < HEAD_DIM // 2)[None, :],
+                           other=0)
+            code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, BLOCK_D))
+            rg = tl.arange(0, BLOCK_D // 16)
+            gs = tl.load((s_ptr + srow * (HEAD_DIM // 16))[:, None] + rg[None, :],
+                         mask=t_ok[:, None] & (rg < HEAD_DIM // 16)[None, :], other=0)
+            scale = tl.broadcast_to(e4m3_to_float(gs, NATIVE_FP8)[:, :, None], (BLOCK_N, BLOCK_D // 16, 16))
+            return e2m1_decode(code) * tl.reshape(scale, (BLOCK_N, BLOCK_D))
         else:
-            return tl.load(ptr + row_off[:, None] + rd[None, :] * stride_d, mask=mask, other=0.0)
+            rd = tl.arange(0, BLOCK_D)
+            x = tl.load(rows[:, None] + rd[None, :] * stride_d, mask=t_ok[:, None] & (rd < HEAD_DIM)[None, :], other=0)
+            if FMT != 0:  # FP8 bytes
+                x = e4m3_to_float(x, NATIVE_FP8)
+            return x
 
-    @triton.jit
+    # Strides that follow the batch's page-table width and split count are not specialised on
+    # (a one-page table, one split, an odd head count): one kernel serves every step.
+    @triton.jit(do_not_specialize=["stride_btb", "stride_mb", "stride_mh"])
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
         ks_ptr, kf_ptr, vs_ptr, vf_ptr,
@@ -154,13 +166,13 @@ if triton is not None:
         stride_mb, stride_mh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, UPCAST: tl.constexpr,
-        OFF64: tl.constexpr, SAME_STRIDES: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+        DOT_FP32: tl.constexpr, UPCAST: tl.constexpr, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+        NATIVE_FP8: tl.constexpr,
     ):  # fmt: skip
         """Program (b, kv head, split): the GROUP query heads of that kv head over tokens
-        [split * split_len, min(context, (split + 1) * split_len)). PARTIAL: store the
-        unnormalised output at o_ptr + split * stride_os and the running max / sum at m_ptr /
-        l_ptr; otherwise store the normalised output in o's dtype. K_FMT / V_FMT: DENSE,
+        [split * split_len, min(context, (split + 1) * split_len)): stores the unnormalised
+        output at o_ptr + split * stride_os and the running max / sum at m_ptr / l_ptr, which
+        _merge_splits_kernel turns into the output (one split included). K_FMT / V_FMT: DENSE,
         FP8_HEAD, FP8_ROW or NVFP4 (PagedKV); ks/vs_ptr the per-row scales (FP8_ROW: fp32 a
         row, NVFP4: FP8 group scales, both as contiguous [pool rows * Hkv(, D/16)]) and
         kf/vf_ptr the per-head FP8 scales [Hkv] or the NVFP4 global scale [1]."""
@@ -194,28 +206,22 @@ if triton is not None:
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             t_ok = t < end
-            page = tl.load(bt_ptr + b * stride_btb + (t // PAGE_SIZE) * stride_btp, mask=t_ok, other=0)
-            # int32 offsets unless the pool needs more: the [BLOCK_N, BLOCK_D] offset tile is
-            # what fills the registers (see num_warps in paged_decode_attention_triton).
-            page = page.to(tl.int64) if OFF64 else page.to(tl.int32)
+            # 64-bit offsets of each key's row, one per key: pools of any size, and the [BLOCK_N,
+            # BLOCK_D] tiles add only 32-bit column offsets to these row pointers.
+            page = tl.load(bt_ptr + b * stride_btb + (t // PAGE_SIZE) * stride_btp, mask=t_ok, other=0).to(tl.int64)
             row = t % PAGE_SIZE
-            kv_ok = t_ok[:, None] & d_ok[None, :]
-            k_row = page * stride_kp + row * stride_kt + kvh * stride_kh
-            if SAME_STRIDES:  # K and V pools laid out alike (the usual case) share one offset tile
-                v_row = k_row
-                stride_vd = stride_kd
-            else:
-                v_row = page * stride_vp + row * stride_vt + kvh * stride_vh
             srow = (page * PAGE_SIZE + row) * hkv + kvh  # the row's index in per-row scale tensors
-            k = _load_tile(k_ptr, k_row, srow, rd, kv_ok, ks_ptr, stride_kd, K_FMT, HEAD_DIM)
+            k = _load_tile(k_ptr + (page * stride_kp + row * stride_kt + kvh * stride_kh), srow, t_ok, ks_ptr, stride_kd,
+                           K_FMT, HEAD_DIM, BLOCK_N, BLOCK_D, NATIVE_FP8)
             # V's load is issued before the QK dot so both tiles are in flight at once.
-            v = _load_tile(v_ptr, v_row, srow, rd, kv_ok, vs_ptr, stride_vd, V_FMT, HEAD_DIM)
+            v = _load_tile(v_ptr + (page * stride_vp + row * stride_vt + kvh * stride_vh), srow, t_ok, vs_ptr, stride_vd,
+                           V_FMT, HEAD_DIM, BLOCK_N, BLOCK_D, NATIVE_FP8)
             if UPCAST:
                 k = k.to(tl.float32)
             elif K_FMT != 0:
                 k = k.to(q.dtype)  # exact: see the module docstring
             if DOT_FP32:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT)
             else:
                 s = tl.dot(q, tl.trans(k))
             if K_FMT == 2:
@@ -236,7 +242,7 @@ if triton is not None:
             elif V_FMT != 0:
                 v = v.to(q.dtype)
             if DOT_FP32:
-                pv = tl.dot(p, v, input_precision="ieee")
+                pv = tl.dot(p, v, input_precision=FP32_DOT)
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
@@ -247,19 +253,15 @@ if triton is not None:
         elif V_FMT == 3:
             acc = acc / tl.load(vf_ptr)
         out = o_ptr + b * stride_ob + heads[:, None] * stride_oh + rd[None, :] * stride_od
-        if PARTIAL:
-            # Splits starting past the context store nothing: the merge never reads them. (A
-            # per-head vector, not a scalar: the interpreter rejects a scalar bool & a block.)
-            live = h_ok & (start + rh * 0 < ctx)
-            tl.store(out + split * stride_os, acc, mask=live[:, None] & d_ok[None, :])
-            ml = b * stride_mb + heads * stride_mh + split
-            tl.store(m_ptr + ml, m_i, mask=live)
-            tl.store(l_ptr + ml, l_i, mask=live)
-        else:
-            o = acc / l_i[:, None]
-            tl.store(out, o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+        # Splits starting past the context store nothing: the merge never reads them. (A
+        # per-head vector, not a scalar: the interpreter rejects a scalar bool & a block.)
+        live = h_ok & (start + rh * 0 < ctx)
+        tl.store(out + split * stride_os, acc, mask=live[:, None] & d_ok[None, :])
+        ml = b * stride_mb + heads * stride_mh + split
+        tl.store(m_ptr + ml, m_i, mask=live)
+        tl.store(l_ptr + ml, l_i, mask=live)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_mb", "stride_mh"])
     def _merge_splits_kernel(
         acc_ptr, m_ptr, l_ptr, len_ptr, o_ptr, split_len,
         stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh, stride_od,
@@ -288,11 +290,6 @@ if triton is not None:
             l_run = l_run * c_run + tl.load(ll + s) * c_s
             m_run = m_new
         tl.store(o_ptr + b * stride_ob + h * stride_oh + rd * stride_od, (acc / l_run).to(o_ptr.dtype.element_ty), mask=d_ok)
-
-
-def _span(t: torch.Tensor) -> int:
-    """One past the largest element offset a strided tensor reaches."""
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 def paged_decode_attention_triton(
@@ -355,43 +352,30 @@ def paged_decode_attention_pages_triton(
     splits = triton.cdiv(block_tables.shape[1] * page_size, split_len)
     k_data, k_rows, k_heads = _kernel_view(k, o)
     v_data, v_rows, v_heads = _kernel_view(v, o)
-    # fp32 caches get exact fp32 dots (not TF32). Triton's interpreter multiplies bf16 tl.dot
-    # operands as raw uint16 bit patterns (triton-lang/triton#11584), so under it bf16 and
-    # fp16 operands are widened to fp32 first: q and K exactly, p after rounding to the cache
-    # dtype as the GPU does, summed in fp32 as the tensor cores do.
-    upcast = q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
-    dot_fp32 = q.dtype == torch.float32 or upcast
-    off64 = max(_span(k_data), _span(v_data)) >= 2**31
+    # fp32 caches get fp32 dots (target.FP32_DOT). Under the interpreter bf16 and fp16 operands
+    # are widened to fp32 first (target.INTERPRETED): q and K exactly, p after rounding to the
+    # cache dtype as the GPU does, summed in fp32 as the tensor cores do.
+    upcast = q.dtype != torch.float32 and target.INTERPRETED
     meta = dict(
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=BLOCK_N,
-        DOT_FP32=dot_fp32, UPCAST=upcast, OFF64=off64, SAME_STRIDES=k_data.stride() == v_data.stride(),
-        K_FMT=k.code(), V_FMT=v.code(),
-        # Registers per thread from ptxas (Triton 3.9, sm_90, D = 128, BLOCK_N = 64), dense
-        # pages: bf16/fp16 with int32 offsets 238 at 4 warps, no spills; int64 offsets spill at
-        # 4 warps (80 B) and fp32 spills badly (4 KiB), while 8 warps take 234 (int64) and 197
-        # (fp32), no spills. Not yet measured for the quantized formats, nor timed on a GPU.
-        num_warps=8 if off64 or q.dtype == torch.float32 else 4,
+        DOT_FP32=q.dtype == torch.float32 or upcast, UPCAST=upcast, K_FMT=k.code(), V_FMT=v.code(),
+        NATIVE_FP8=target.native_fp8(q.device),
+        # 4 warps unless that spills: fp32 tiles take 8 (the compile check,
+        # sala/compile_check.py, holds every format to no spills on every target).
+        num_warps=8 if q.dtype == torch.float32 else 4,
     )  # fmt: skip
-    common = (
-        q.stride(0), q.stride(1), q.stride(2),
-        *k_data.stride(), *v_data.stride(), block_tables.stride(0), block_tables.stride(1),
-    )  # fmt: skip
-    scales = (k_rows, k_heads, v_rows, v_heads)
-    if splits == 1:
-        _paged_decode_kernel[(b, hkv, 1)](
-            q, k_data, v_data, block_tables, context_lens, o, o, o, *scales, scale, split_len,
-            *common, o.stride(0), o.stride(1), 0, o.stride(2), 0, 0, PARTIAL=False, **meta,
-        )  # fmt: skip
-        return o
-    # Sized from shapes only (no host sync), so the call stays CUDA-graph capturable.
+    # Sized from shapes only (no host sync), so the call stays CUDA-graph capturable. One split
+    # goes through the merge too: one kernel to build, and the merge of one split is its
+    # normalised output (acc / l in fp32), a small kernel's launch.
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     _paged_decode_kernel[(b, hkv, splits)](
-        q, k_data, v_data, block_tables, context_lens, acc, m, l_, *scales, scale, split_len,
-        *common, acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), m.stride(0), m.stride(1),
-        PARTIAL=True, **meta,
+        q, k_data, v_data, block_tables, context_lens, acc, m, l_, k_rows, k_heads, v_rows, v_heads, scale, split_len,
+        q.stride(0), q.stride(1), q.stride(2), *k_data.stride(), *v_data.stride(), block_tables.stride(0),
+        block_tables.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), m.stride(0), m.stride(1),
+        **meta,
     )  # fmt: skip
     _merge_splits_kernel[(b, hq)](
         acc, m, l_, context_lens, o, split_len,
@@ -410,6 +394,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     Returns o [B, Hq, D] in q's dtype, softmax(q k^T * scale) v over each sequence's valid keys, fp32 accumulation.
 
     Triton kernel on CUDA, torch reference elsewhere."""
-    if q.is_cuda and triton is not None:
+    if target.on_gpu(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -9,19 +9,22 @@ The Triton kernel runs one program per (BLOCK_M queries, query head): the query 
 registers while BLOCK_N-key tiles of its kv head stream past with an fp32 online softmax
 (FlashAttention-2's loop); tiles beyond the tile's last query position are never loaded.
 """
-import os
-
 import torch
 import torch.nn.functional as F
+
+from kernels import target
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs may lack triton; the torch reference still works
     triton = None
-# The interpreter's bf16 tl.dot returns garbage (triton 3.x): under it, tiles go to fp32 first. On a
-# GPU bf16 tiles go to the tensor cores as they are, accumulating in fp32.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# (BLOCK_M, BLOCK_N, warps) by target.pick, from the compile check (sala/compile_check.py): the
+# largest tiles without spills at head_dim 128 whose shared memory fits the target (99 KiB a
+# block on sm_89 / sm_120).
+TILES = {80: (128, 64, 8), 89: (128, 32, 8), 90: (128, 64, 8), 120: (128, 32, 8)}
 
 
 def _check(q, k, v):
@@ -48,8 +51,9 @@ def prefill_attention_reference(q, k, v, scale: float | None = None) -> torch.Te
 
 
 if triton is not None:
+    from kernels.target import FP32_DOT
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_q", "num_keys"])
     def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, scale, num_q, num_keys,
         stride_qh, stride_qt, stride_kh, stride_kl, stride_vh, stride_vl, stride_oh, stride_ot,
@@ -82,21 +86,25 @@ if triton is not None:
             v = tl.load(v_ptr + kvh * stride_vh + kp[:, None] * stride_vl + rd[None, :], mask=kv_ok, other=0.0)
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * scale
             s = tl.where((kp[None, :] <= q_pos[:, None]) & (kp < num_keys)[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every query
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=FP32_DOT)
             m_i = m_new
         o = acc / l_i[:, None]
         tl.store(o_ptr + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & d_ok[None, :])
 
 
-def prefill_attention_triton(q, k, v, scale: float | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+def prefill_attention_triton(q, k, v, scale: float | None = None, block_m: int | None = None,
+                             block_n: int | None = None) -> torch.Tensor:
+    """The Triton kernel; tiles from TILES unless given (tests vary them)."""
     hq, t, d, hkv, length = _check(q, k, v)
+    tile_m, tile_n, num_warps = target.pick(TILES, q.device)
+    block_m, block_n = block_m or tile_m, block_n or tile_n
     scale = d**-0.5 if scale is None else scale
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (x.contiguous() for x in (q, k, v))
@@ -105,7 +113,8 @@ def prefill_attention_triton(q, k, v, scale: float | None = None, block_m: int =
         q, k, v, o, scale, t, length,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        UPCAST=INTERPRETED,
+        UPCAST=target.INTERPRETED,  # on a GPU bf16 tiles go to the tensor cores as they are
+        num_warps=num_warps,
     )  # fmt: skip
     return o
 
@@ -113,6 +122,6 @@ def prefill_attention_triton(q, k, v, scale: float | None = None, block_m: int =
 def prefill_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
     """q [Hq, T, D] at the last T of the L positions of k, v [Hkv, L, D]; causal; scale by default
     1/sqrt(D), as SDPA's. Returns [Hq, T, D] in q's dtype. Triton kernel on CUDA, torch SDPA elsewhere."""
-    if q.is_cuda and triton is not None:
+    if target.on_gpu(q):
         return prefill_attention_triton(q, k, v, scale)
     return prefill_attention_reference(q, k, v, scale)

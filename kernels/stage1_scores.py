@@ -8,6 +8,8 @@ head, a second over the K1 windows writes the group sums. Hidden windows score 0
 """
 import torch
 
+from kernels import target
+
 try:
     import triton
     import triton.language as tl
@@ -32,8 +34,9 @@ def stage1_scores_reference(q, k1, k2, vis1, vis2, scale: float) -> torch.Tensor
 
 
 if triton is not None:
+    from kernels.target import FP32_DOT
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n1"])
     def _stage1_kernel(
         q_ptr, k1_ptr, k2_ptr, vis1_ptr, vis2_ptr, o_ptr, scale, n1,
         stride_qt, stride_qh, stride_k1n, stride_k1h, stride_k2n, stride_k2h, stride_oh, stride_ot,
@@ -57,7 +60,7 @@ if triton is not None:
             ok = j < vis2
             k = tl.load(k2_ptr + j[:, None] * stride_k2n + kvh * stride_k2h + rd[None, :],
                         mask=ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision="ieee") * scale, float("-inf"))
+            s = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
             m_i = m_new
@@ -67,7 +70,7 @@ if triton is not None:
             ok = j < vis1
             k = tl.load(k1_ptr + j[:, None] * stride_k1n + kvh * stride_k1h + rd[None, :],
                         mask=ok[:, None] & d_ok[None, :], other=0.0)
-            p = tl.exp(tl.dot(q, tl.trans(k), input_precision="ieee") * scale - lse[:, None])
+            p = tl.exp(tl.dot(q, tl.trans(k), input_precision=FP32_DOT) * scale - lse[:, None])
             p = tl.where(h_ok[:, None] & ok[None, :], p, 0.0)
             tl.store(o_ptr + kvh * stride_oh + t * stride_ot + j, tl.sum(p, axis=0), mask=j < n1)
 
@@ -91,6 +94,6 @@ def stage1_scores_triton(q, k1, k2, vis1, vis2, scale: float) -> torch.Tensor:
 
 def stage1_scores(q, k1, k2, vis1, vis2, scale: float) -> torch.Tensor:
     """Triton kernel on CUDA, torch reference elsewhere; see stage1_scores_reference."""
-    if q.is_cuda and triton is not None:
+    if target.on_gpu(q):
         return stage1_scores_triton(q, k1, k2, vis1, vis2, scale)
     return stage1_scores_reference(q, k1, k2, vis1, vis2, scale)

@@ -28,6 +28,32 @@ DEFAULT_SPARSE_CONFIG = {
 }
 
 
+# The released 9B checkpoint's config.json (openbmb/MiniCPM-SALA; shared/design/specs/
+# sala-architecture.md, section 1), verbatim: the shapes the kernels are built and checked for.
+MINICPM_SALA_9B = {
+    "architectures": ["MiniCPMSALAForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_minicpm_sala.MiniCPMSALAConfig",
+        "AutoModel": "modeling_minicpm_sala.MiniCPMSALAModel",
+        "AutoModelForCausalLM": "modeling_minicpm_sala.MiniCPMSALAForCausalLM",
+    },
+    "model_type": "minicpm_sala",
+    "vocab_size": 73448, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 524288, "rope_theta": 10000.0, "rope_scaling": None,
+    "attention_bias": False, "attention_dropout": 0.0, "attn_use_rope": False, "attn_use_output_gate": True,
+    "lightning_use_rope": True, "qk_norm": True, "use_output_gate": True, "use_output_norm": True,
+    "lightning_nh": 32, "lightning_nkv": 32, "lightning_head_dim": 128, "lightning_scale": "1/sqrt(d)",
+    "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 256, "mup_denominator": 32,
+    "sparse_config": {"block_size": 64, "dense_len": 8192, "init_blocks": 1, "kernel_size": 32,
+                      "kernel_stride": 16, "topk": 64, "use_nope": False, "window_size": 2048},
+    "mixer_types": [SPARSE if i in (0, 9, 16, 17, 22, 29, 30, 31) else "lightning-attn" for i in range(32)],
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": [2, 73440], "pad_token_id": 2,
+    "initializer_range": 0.1, "pretraining_tp": 1, "shift_labels": True, "use_cache": True,
+    "dtype": "bfloat16", "transformers_version": "4.57.1",
+}  # fmt: skip
+
+
 class ConfigError(ValueError):
     """A config.json whose keys contradict each other."""
 

@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from kernels.lightning_prefill import lightning_prefill_triton, triton
+from kernels import target
+from kernels.lightning_prefill import lightning_prefill_triton
 
 
 def decay_slopes(n_heads: int) -> torch.Tensor:
@@ -80,7 +81,7 @@ def chunked(q, k, v, g, scale: float, state: torch.Tensor | None = None, chunk_s
             lengths: torch.Tensor | None = None):
     """`chunked_torch`, or on CUDA the same chunks in one fused Triton kernel
     (kernels/lightning_prefill.py; no backward: used where no gradient is wanted)."""
-    if q.is_cuda and triton is not None and chunk_size == CHUNK_SIZE and q.shape[2] and not (
+    if target.on_gpu(q) and chunk_size == CHUNK_SIZE and q.shape[2] and not (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return lightning_prefill_triton(q, k, v, g, scale, state, lengths)
     return chunked_torch(q, k, v, g, scale, state, chunk_size, lengths)

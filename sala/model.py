@@ -26,6 +26,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from kernels.lightning_decode import lightning_decode
 from kernels.prefill_attention import prefill_attention
 from sala import lightning, lightning_tree, sparse
 from sala.config import LIGHTNING, SALAConfig
@@ -479,8 +480,7 @@ class LightningAttention(QKVOProjections):
         nd = ctx.num_decode
         if nd:
             q_dec, k_dec, v_dec = (t[0, :, :nd].transpose(0, 1) for t in (q, k, v))  # [n_decode, H, D]
-            o, s = lightning.step(q_dec, k_dec, v_dec, g, self.scale, states.index_select(0, ctx.state_slots).float())
-            states.index_copy_(0, ctx.state_slots, s.to(states.dtype))
+            o = lightning_decode(q_dec, k_dec, v_dec, g, self.scale, states, ctx.state_slots)  # states updated in place
             outs.append(o.transpose(0, 1))
         spans = ctx.prefills
         if len(spans) == 1 or (spans and ctx.batch_invariant):

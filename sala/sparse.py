@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import block_sparse_attention as kernel
+from kernels import target
 from kernels.stage1_scores import stage1_scores
 
 SPARSE_KEYS = ("block_size", "dense_len", "init_blocks", "kernel_size", "kernel_stride", "topk", "window_size")
@@ -231,7 +232,7 @@ def infllm_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k1: t
     mask = select_blocks(q, k1, k2, pos, prefill_len, s, scale)
     if dense_rows is not None and bool(dense_rows.any()):
         mask[:, dense_rows] = causal_blocks(pos[dense_rows], mask.shape[-1], s.block_size)
-    if q.is_cuda:  # the Triton kernel takes each query's block list (-1 padded) instead of the mask
+    if target.on_gpu(q):  # the Triton kernel takes each query's block list (-1 padded) instead of the mask
         width = int(mask.sum(-1).max())
         ids = torch.where(mask, torch.arange(mask.shape[-1], device=q.device), -1)
         ids = ids.sort(-1, descending=True).values[..., :width].contiguous()

@@ -476,10 +476,10 @@ GIB = 1 << 30
 def test_cache_plan_for_the_9b_model(device_gib):
     """The real 9B config on the meta device: BF16 weights, then the cache plan the engine makes
     on an 80 GB and a 141 GB GPU (gpu_memory_utilization 0.9, nothing else on the device)."""
+    from sala.config import MINICPM_SALA_9B
     from sala.model import SALAForCausalLM
-    from tests.test_config import REAL_CONFIG
 
-    config = SALAConfig(**REAL_CONFIG)
+    config = SALAConfig(**MINICPM_SALA_9B)
     with torch.device("meta"):
         model = SALAForCausalLM(config)
     weights = sum(p.numel() for p in model.parameters()) * 2

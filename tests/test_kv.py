@@ -192,9 +192,9 @@ def test_bf16_state_step_equals_the_fp32_step_rounded():
 
 
 def test_plan_bytes_for_the_9b_config():
-    from tests.test_config import REAL_CONFIG
+    from sala.config import MINICPM_SALA_9B
 
-    config = SALAConfig(**REAL_CONFIG)
+    config = SALAConfig(**MINICPM_SALA_9B)
     amax = {i: {"k": [1.0] * 2, "v": [1.0] * 2} for i in config.sparse_layers}  # calibrated: per-head scales
     per = {f: sum(KVPlan.uniform(config, f, amax=amax).kv_bytes_per_token(config).values()) for f in ("bf16", "fp8", "nvfp4")}
     assert per == {"bf16": 8192, "fp8": 4096, "nvfp4": 2304}  # NVFP4: 0.5625 bytes an element

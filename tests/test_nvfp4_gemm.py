@@ -9,16 +9,8 @@ import pytest
 import torch
 from compressed_tensors.compressors import unpack_fp4_from_uint8
 
-from kernels.nvfp4_gemm import (
-    BLOCK_K,
-    BLOCK_N,
-    nvfp4_dequantize_reference,
-    nvfp4_linear,
-    nvfp4_matmul_reference,
-    nvfp4_matmul_triton,
-    sm_count,
-    split_k_schedule,
-)
+from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear, nvfp4_matmul_reference, nvfp4_matmul_triton, schedule
+from kernels.target import TARGETS, standing_in
 from sala.quant.linear import NVFP4Linear
 from sala.quant.nvfp4 import quantize_rtn
 from tests.conftest import assert_gpu_bench_refuses_cpu
@@ -71,8 +63,8 @@ def schedule_bound(x: torch.Tensor, w: torch.Tensor, bias, m: int) -> torch.Tens
     ways: split-K shortens the chain, and both stay far inside the K + 2 = 146 of
     fp32_rounding_bound, which the comparisons with the reference keep using unchanged."""
     k = x.shape[-1]
-    splits, per_split = split_k_schedule(m, w.shape[0], k, sm_count(x.device))
-    depth = BLOCK_K // 2 + 2 * (per_split // BLOCK_K) + splits + 1
+    tiles, splits, per_split = schedule(m, w.shape[0], k, x.device)
+    depth = tiles.block_k // 2 + 2 * (per_split // tiles.block_k) + splits + 1
     mag = x.double().abs() @ w.abs().T + (bias.double().abs() if bias is not None else 0)
     return depth * 2.0**-24 * mag
 
@@ -82,7 +74,7 @@ def schedule_bound(x: torch.Tensor, w: torch.Tensor, bias, m: int) -> torch.Tens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_reference(m, n, k, dtype):
     q, packed, scale, g = quantized_weight(n, k, seed=m + n)
-    splits, _ = split_k_schedule(m, n, k, sm_count(torch.device("cpu")))
+    _, splits, _ = schedule(m, n, k, torch.device("cpu"))
     assert (splits > 1) == (m <= 16), "these shapes must exercise the path their M selects"
     x = torch.randn(m, k).to(dtype)
     bias = torch.randn(n).to(dtype)
@@ -137,16 +129,18 @@ def load_bench():
 
 def test_split_k_schedule_fills_the_gpu_on_the_9b_shapes():
     # The benchmark's shapes, the 9B model's linears: fused q/k/v/gate, fused gate/up, down,
-    # o_proj; 132 SMs (H100 SXM / H200).
+    # o_proj; 132 SMs (H100 SXM / H200), and the schedule's tiles for them.
     shapes = [(k, sum(parts)) for _, k, parts in load_bench().SHAPES]
     assert shapes == [(4096, 8704), (4096, 32768), (16384, 4096), (4096, 4096)]
-    for k, n in shapes:
-        splits, per_split = split_k_schedule(1, n, k, 132)
-        programs = splits * -(-n // BLOCK_N)
-        assert 3 * 132 <= programs <= 2048, (k, n, splits)
-        assert per_split % BLOCK_K == 0 and (splits - 1) * per_split < k <= splits * per_split
-        assert split_k_schedule(16, n, k, 132) == (splits, per_split)
-        assert split_k_schedule(17, n, k, 132)[0] == 1
+    cpu = torch.device("cpu")
+    with standing_in(TARGETS["sm_90a"]):
+        for k, n in shapes:
+            tiles, splits, per_split = schedule(1, n, k, cpu)
+            programs = splits * -(-n // tiles.block_n)
+            assert 3 * 132 <= programs <= 2048, (k, n, splits)
+            assert per_split % tiles.block_k == 0 and (splits - 1) * per_split < k <= splits * per_split
+            assert schedule(16, n, k, cpu) == (tiles, splits, per_split)
+            assert schedule(17, n, k, cpu)[1] == 1
 
 
 def test_bench_fused_weight_is_what_the_kernel_and_reference_take():
@@ -329,7 +323,7 @@ def test_kernel_on_gpu(m, split_k):
 def test_split_k_on_gpu_with_per_row_global_scale_under_a_cuda_graph():
     a, b, packed, scale, g = (t.cuda() if isinstance(t, torch.Tensor) else t for t in fused_pair(2048, 2048, 4096))
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert split_k_schedule(1, 4096, 4096, sm_count(x.device))[0] > 1
+    assert schedule(1, 4096, 4096, x.device)[1] > 1
     eager = nvfp4_linear(x, packed, scale, g)
     exact = nvfp4_matmul_reference(x.float(), packed, scale, g)
     bound = fp32_rounding_bound(x.cpu(), torch.cat([a.dequantize(), b.dequantize()]).cpu()).float().cuda()

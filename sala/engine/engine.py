@@ -31,6 +31,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from kernels.target import require_supported
 from sala import lightning
 from sala.engine.cache import CacheFull, CachePool, full_request_kv_bytes, kv_bytes_per_token, plan_memory, state_bytes_per_seq
 from sala.engine.detokenizer import IncrementalDetokenizer
@@ -63,6 +64,13 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+# Defaults by device type: the CUDA ones are what the GPU kernels are built and checked for
+# (sala/compile_check.py).
+MAX_SEQS = {"cuda": 256, "cpu": 32}
+MAX_BATCH_TOKENS = {"cuda": 2048, "cpu": 512}
+PAGE_SIZE = 64  # InfLLM-v2's block
+
+
 class Engine:
     """`Engine(model, tokenizer)` serves a loaded model (its projections are fused in place);
     `Engine.from_pretrained(path)` loads one. Settings:
@@ -92,7 +100,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None, max_model_len: int | None = None,
-                 max_waiting: int = 256, page_size: int = 64, batch_invariant: bool = False, compile: bool = True,
+                 max_waiting: int = 256, page_size: int = PAGE_SIZE, batch_invariant: bool = False, compile: bool = True,
                  kv_plan=None, prefix_cache: bool = True, prefix_snapshot_interval: int = 512,
                  prefix_snapshot_bytes: int | None = None, medusa=None,
                  typical_threshold: float | None = None, typical_alpha: float | None = None,
@@ -104,12 +112,14 @@ class Engine:
         self.config = config = model.config
         param = next(model.parameters())
         self.device = param.device
+        require_supported(self.device)
         model.model.fuse_projections()
         if self.device.type == "cpu":
             _dequantize_once(model)
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         cuda = self.device.type == "cuda"
-        max_seqs = max_seqs or (256 if cuda else 32)
+        kind = "cuda" if cuda else "cpu"
+        max_seqs = max_seqs or MAX_SEQS[kind]
         unit = math.lcm(page_size, lightning.CHUNK_SIZE)
         if prefix_cache and (prefix_snapshot_interval <= 0 or prefix_snapshot_interval % unit):
             raise ValueError(f"prefix_snapshot_interval={prefix_snapshot_interval} must be a positive multiple of {unit} "
@@ -145,7 +155,7 @@ class Engine:
             self.typical = (medusa_accept.TYPICAL_THRESHOLD if typical_threshold is None else typical_threshold,
                             medusa_accept.TYPICAL_ALPHA if typical_alpha is None else typical_alpha)
             decode_tokens = self.tree.num_nodes
-        max_batch_tokens = max_batch_tokens or max(2048 if cuda else 512, plan.max_seqs + granule,
+        max_batch_tokens = max_batch_tokens or max(MAX_BATCH_TOKENS[kind], plan.max_seqs + granule,
                                                    min(plan.max_seqs, 16) * decode_tokens + granule)
         self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule, self.prefix,
                                    exact_recompute=batch_invariant)
@@ -181,6 +191,7 @@ class Engine:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available (torch {torch.__version__}); use device='cpu'")
+        require_supported(device)  # before minutes of loading weights
         if kv_plan is None and (Path(path) / PLAN_FILE).is_file():
             kv_plan = Path(path) / PLAN_FILE
         if kv_plan is not None:  # a bad plan fails before the weights load

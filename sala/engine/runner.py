@@ -387,6 +387,11 @@ class CompiledGreedySpeculation(CompiledStep):
         return self._run(inputs + saved)
 
 
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes decode graphs are captured at: a step of n requests runs the smallest >= n."""
+    return [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) if s < max_batch] + [max_batch]
+
+
 class CudaGraphDecode:
     """Decode steps replayed from CUDA graphs captured at bucketed batch sizes (as nano-vllm
     does). Inputs live in persistent buffers; a step of n requests runs the smallest captured
@@ -396,7 +401,7 @@ class CudaGraphDecode:
     def __init__(self, runner: ModelRunner, max_batch: int):
         self.runner = runner
         cache = runner.cache
-        self.sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) if s < max_batch] + [max_batch]
+        self.sizes = graph_batch_sizes(max_batch)
         width = cache.pages_for(cache.plan.max_model_len)
         shapes = [(max_batch,)] * 3 + [(max_batch, width)] + [(max_batch,)] * 2
         # Persistent inputs, in decode_inputs' order, every row a padding row until a step fills it.

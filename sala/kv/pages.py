@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kv_quant
+from kernels import kv_quant, target
 from kernels.paged_attention import (
     PagedKV,
     paged_decode_attention,
     paged_decode_attention_pages_triton,
     paged_decode_attention_reference,
-    triton,
 )
 from sala.kv.formats import FP8, NVFP4, KVCodec
 
@@ -43,7 +42,7 @@ class KVPages:
 
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         """x [N, H, D] into pool rows (page * page_size + offset) `rows` [N]."""
-        if self.data.is_cuda and triton is not None and self.codec.dense_dtype is None:
+        if target.on_gpu(self.data) and self.codec.dense_dtype is None:
             return self.write_triton(rows, x)
         data, scale = self.codec.encode(x)
         _copy_rows(self._rows(self.data), rows, data)
@@ -100,7 +99,7 @@ def decode_attention(q, k: KVPages, v: KVPages, block_tables, context_lens, scal
     """`paged_decode_attention` over pages in any format: q [B, Hq, D] -> [B, Hq, D]."""
     if k.codec.lossless_for(q.dtype) and v.codec.lossless_for(q.dtype):
         return paged_decode_attention(q, k.data, v.data, block_tables, context_lens, scale)
-    if q.is_cuda and triton is not None and all(p.codec.dense_dtype in (None, q.dtype) for p in (k, v)):
+    if target.on_gpu(q) and all(p.codec.dense_dtype in (None, q.dtype) for p in (k, v)):
         return paged_decode_attention_pages_triton(q, k.kernel_view(), v.kernel_view(), block_tables, context_lens, scale)
     return decode_attention_reference(q, k, v, block_tables, context_lens, scale)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import target
 from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear
 from sala.quant.nvfp4 import GROUP_SIZE, NVFP4Tensor
 
@@ -114,7 +115,7 @@ class NVFP4Linear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cache_dequantized and not x.is_cuda:
+        if self.cache_dequantized and not target.on_gpu(x):
             bias = self.bias.float() if self.bias is not None else None
             # Same fp32 arithmetic as the reference path, so caching never changes outputs.
             return nn.functional.linear(x.float(), self.dequantized_weight(), bias).to(x.dtype)
