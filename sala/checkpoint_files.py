@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -196,9 +197,10 @@ def _process_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, overwrite: bool = False):
+def atomic_directory(target: str | os.PathLike, overwrite: bool = False, flush: Callable[[Path], None] = fsync_tree):
     """Yield a temporary directory beside `target`; if the block succeeds, flush it to disk and
-    put it at `target` in one step (swapping out an existing one when `overwrite`)."""
+    put it at `target` in one step (swapping out an existing one when `overwrite`). `flush` may
+    trade fsync per file for one system-wide sync where a tree has tens of thousands of files."""
     target = Path(target).absolute()
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists (pass overwrite to replace it)")
@@ -207,7 +209,7 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         yield tmp
-        fsync_tree(tmp)
+        flush(tmp)
         if target.exists():
             _replace_directory(tmp, target)  # tmp now holds the old checkpoint
         else:

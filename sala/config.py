@@ -12,6 +12,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from sala import sparse
 
+# The model class the released config names; SGLang, vLLM and the official remote code pick
+# their implementation by it, so every config we write carries it.
+ARCHITECTURE = "MiniCPMSALAForCausalLM"
 SPARSE = "minicpm4"
 LIGHTNING = "lightning-attn"
 _MIXER_ALIASES = {SPARSE: SPARSE, "lightning-attn": LIGHTNING, "lightning": LIGHTNING, "lightning_attn": LIGHTNING}
@@ -31,7 +34,7 @@ DEFAULT_SPARSE_CONFIG = {
 # The released 9B checkpoint's config.json (openbmb/MiniCPM-SALA; shared/design/specs/
 # sala-architecture.md, section 1), verbatim: the shapes the kernels are built and checked for.
 MINICPM_SALA_9B = {
-    "architectures": ["MiniCPMSALAForCausalLM"],
+    "architectures": [ARCHITECTURE],
     "auto_map": {
         "AutoConfig": "configuration_minicpm_sala.MiniCPMSALAConfig",
         "AutoModel": "modeling_minicpm_sala.MiniCPMSALAModel",
@@ -142,6 +145,8 @@ class SALAConfig(PretrainedConfig):
         self.use_cache = use_cache
         if isinstance(eos_token_id, tuple):
             eos_token_id = list(eos_token_id)
+        if not kwargs.get("architectures"):  # configs we wrote before it was written load as well
+            kwargs["architectures"] = [ARCHITECTURE]
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,

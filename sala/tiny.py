@@ -129,6 +129,10 @@ def split_corpus(every: int) -> tuple[list[str], list[str]]:
 def recipe_hash() -> str:
     train, heldout = split_corpus(RECIPE["heldout_every"])
     h = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
+    # The config.json it writes, defaults included: a key SALAConfig gains (architectures) is a new build.
+    config = SALAConfig(**RECIPE["config"]).to_dict()
+    config.pop("transformers_version")
+    h.update(json.dumps(config, sort_keys=True).encode())
     for t in train + heldout:
         h.update(t.encode())
     h.update(torch.__version__.split("+")[0].encode())

@@ -182,3 +182,61 @@ def serve_tiny_sala(model_dir, name: str, **app_kwargs):
         serve.run(build_app(str(model_dir), num_cpus=0.5, num_threads=1, **app_kwargs), name=name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
         serve.shutdown()
+
+
+# ------------------------------------------------------------------ the quantize pipeline's run
+SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6"]  # the gate at its defaults
+
+
+@pytest.fixture(scope="session")
+def pipeline_env(tmp_path_factory):
+    """Environment of pipelines/quantize.py runs: their own SALA_HOME and MLflow sqlite store."""
+    import sys
+    from pathlib import Path
+
+    home = tmp_path_factory.mktemp("sala_home")
+    e = dict(os.environ)
+    e.update({"SALA_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+              "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
+    e.pop("RAY_ADDRESS", None)
+    e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
+    return e
+
+
+def run_pipeline(env, *args, check=True, extra_env=None):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "pipelines" / "quantize.py"
+    r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                       env={**env, **(extra_env or {})}, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"pipeline failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def mixed_plan(config):
+    """The published recipe's shape: first and last sparse layer FP8, the rest NVFP4, one bf16 state."""
+    from sala.kv import KVPlan
+
+    first, *_, last = config.sparse_layers
+    return KVPlan.uniform(config, "nvfp4", "fp32").with_units({first: "fp8", last: "fp8"}, {config.lightning_layers[0]: "bf16"})
+
+
+@pytest.fixture(scope="session")
+def plan_file(tiny_sala_dir, tmp_path_factory):
+    """A plan without K/V amax: the pipeline calibrates them."""
+    from sala.checkpoint import read_config
+
+    return mixed_plan(read_config(tiny_sala_dir)).save(tmp_path_factory.mktemp("plan") / "kv_plan.json")
+
+
+@pytest.fixture(scope="session")
+def quantize_run(pipeline_env, tiny_sala_dir, tmp_path_factory, plan_file):
+    """(checkpoint, completed process) of the quantize pipeline on tiny-sala with a cache plan, as
+    its README command runs it (GPTQ + FourOverSix, registered), once a session."""
+    out = tmp_path_factory.mktemp("q") / "seq"
+    r = run_pipeline(pipeline_env, "--model", str(tiny_sala_dir), "--output", str(out), "--register-name", "tiny-q",
+                     "--kv-plan", str(plan_file), *SMALL)
+    return out, r

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from sala.checkpoint import read_config
 from sala.config import MINICPM_SALA_9B, ConfigError, SALAConfig
 from sala.model import SALAForCausalLM
 
@@ -41,6 +42,16 @@ def test_real_config_builds_meta_model_with_spec_names_and_shapes(tmp_path):
     n = sum(p.numel() for p in model.parameters())
     print(f"9B config: {n:,} parameters")
     assert round(n / 1e9, 2) == 9.48
+
+
+def test_written_config_names_the_released_architecture(tmp_path):
+    # SGLang and vLLM pick the model class by `architectures`; configs written before we wrote it
+    # load, and gain it when written again.
+    older = {k: v for k, v in MINICPM_SALA_9B.items() if k != "architectures"}
+    (tmp_path / "config.json").write_text(json.dumps(older))
+    cfg = read_config(tmp_path)
+    cfg.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["architectures"] == ["MiniCPMSALAForCausalLM"]
 
 
 @pytest.mark.parametrize(

@@ -243,7 +243,7 @@ def _int4_pack_quantized(qc):
 
 
 def _kv_cache(qc):
-    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
 def _frozen(qc):
@@ -331,21 +331,55 @@ def test_kv_plan_exports_as_a_compressed_tensors_kv_cache_scheme(exported, tmp_p
                                                                   state={config.lightning_layers[0]: "bf16"})
     path = export_checkpoint(reference, quantized, tmp_path / "ckpt", scale_rule=scale_rule, method="rtn", kv_plan=plan)
     tensors = saved_tensors(path)
-    for i in config.sparse_layers:  # every sparse layer, NVFP4 ones too (a plain loader runs them at FP8)
+    # Every sparse layer, NVFP4 ones too (a plain loader runs them at FP8): one scale for all its
+    # kv heads, where SGLang's MiniCPM-SALA loader looks for it.
+    for i in config.sparse_layers:
         for side, name in (("k", "k_scale"), ("v", "v_scale")):
-            got = tensors[f"model.layers.{i}.self_attn.{name}"]
-            assert got.dtype == torch.float32 and got.shape == (config.num_key_value_heads, 1, 1)
-            assert torch.equal(got.flatten(), torch.tensor(amax[i][side], dtype=torch.float32) / 448)
-    assert not any(f"layers.{i}.self_attn.k_scale" in k for i in config.lightning_layers for k in tensors)
+            got = tensors.pop(f"model.layers.{i}.self_attn.attn.{name}")
+            assert got.dtype == torch.float32 and got.shape == (1,)
+            assert torch.equal(got, torch.tensor([max(amax[i][side])], dtype=torch.float32) / 448)
+    assert not [k for k in tensors if k.endswith(("k_scale", "v_scale"))]
     kv = parsed_config(path).kv_cache_scheme  # compressed-tensors' own schema parses it
     assert (kv.num_bits, kv.type, kv.strategy, kv.symmetric, kv.dynamic, kv.scale_dtype) == (
-        8, "float", "attn_head", True, False, torch.float32)
+        8, "float", "tensor", True, False, torch.float32)
     assert verify_manifest(path)
+    # The per-head amax the engine's codecs scale by travel in the plan beside.
     assert load_plan(path, config).to_json()["layers"] == plan.to_json()["layers"]
     load_model(path)  # our loader accepts the scheme and checks the scales against the plan
     # A scale that does not match the plan beside it is named.
-    tensors[f"model.layers.{first}.self_attn.v_scale"] *= 2
+    tensors = saved_tensors(path)
+    tensors[f"model.layers.{first}.self_attn.attn.v_scale"] *= 2
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     write_manifest(path)
-    with pytest.raises(CheckpointError, match=f"model.layers.{first}.self_attn.v_scale is missing, unexpected or differs"):
+    with pytest.raises(CheckpointError, match=f"model.layers.{first}.self_attn.attn.v_scale is missing, unexpected or differs"):
+        load_model(path)
+
+
+def test_checkpoints_with_per_head_kv_scales_still_load(exported, tmp_path):
+    # What export_checkpoint wrote before the scheme became per tensor: strategy attn_head and
+    # fp32 [Hkv, 1, 1] scales at self_attn.k_scale. Rewritten here from a current export.
+    from safetensors.torch import save_file
+
+    from sala.kv import KVPlan
+    from sala.kv.measure import calibrate_amax
+
+    reference, quantized, _, scale_rule = exported
+    config = reference.config
+    amax = calibrate_amax(reference, torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2)))
+    path = export_checkpoint(reference, quantized, tmp_path / "ckpt", scale_rule=scale_rule, method="rtn",
+                             kv_plan=KVPlan.uniform(config, "fp8", "fp32", amax))
+    tensors = {k: v for k, v in saved_tensors(path).items() if not k.endswith(("k_scale", "v_scale"))}
+    for i in config.sparse_layers:
+        for side in "kv":
+            tensors[f"model.layers.{i}.self_attn.{side}_scale"] = torch.tensor(amax[i][side]).reshape(-1, 1, 1) / 448
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config_json = json.loads((path / "config.json").read_text())
+    config_json["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    (path / "config.json").write_text(json.dumps(config_json))
+    write_manifest(path)
+    load_model(path)
+    tensors[f"model.layers.{config.sparse_layers[0]}.self_attn.k_scale"] *= 2
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_manifest(path)
+    with pytest.raises(CheckpointError, match="self_attn.k_scale is missing, unexpected or differs"):
         load_model(path)

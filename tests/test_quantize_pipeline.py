@@ -18,70 +18,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import SMALL, free_port, mixed_plan, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6"]  # the gate at its defaults
 # Runs that check bytes, not the gate's figures, score 8 prompts instead of the gate's 64.
 FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 GATE_PASSED = re.compile(r"gate \(KL <= [\d.]+, flips <= \d+%, cosine >= [\d.]+\) passed")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    home = tmp_path_factory.mktemp("sala_home")
-    e = dict(os.environ)
-    e.update({"SALA_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-              "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
-    e.pop("RAY_ADDRESS", None)
-    e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
-    return e
-
-
-def run_pipeline(env, *args, check=True, extra_env=None):
-    r = subprocess.run([sys.executable, str(ROOT / "pipelines" / "quantize.py"), *args], capture_output=True,
-                       text=True, env={**env, **(extra_env or {})}, timeout=600)
-    if check and r.returncode != 0:
-        raise AssertionError(f"pipeline failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
-
-
 def weights_sha(ckpt: Path) -> str:
     return hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
 
 
-def mixed_plan(config):
-    """The published recipe's shape: first and last sparse layer FP8, the rest NVFP4, one bf16 state."""
-    from sala.kv import KVPlan
-
-    first, *_, last = config.sparse_layers
-    return KVPlan.uniform(config, "nvfp4", "fp32").with_units({first: "fp8", last: "fp8"}, {config.lightning_layers[0]: "bf16"})
-
-
-@pytest.fixture(scope="module")
-def plan_file(tiny_sala_dir, tmp_path_factory):
-    """A plan without K/V amax: the pipeline calibrates them."""
-    from sala.checkpoint import read_config
-
-    return mixed_plan(read_config(tiny_sala_dir)).save(tmp_path_factory.mktemp("plan") / "kv_plan.json")
-
-
-@pytest.fixture(scope="module")
-def sequential_run(env, tiny_sala_dir, tmp_path_factory, plan_file):
-    out = tmp_path_factory.mktemp("q") / "seq"
-    r = run_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--register-name", "tiny-q",
-                     "--kv-plan", str(plan_file), *SMALL)
-    return out, r
-
-
-def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sala_dir):
+def test_end_to_end_checkpoint_mlflow_and_registry(pipeline_env, quantize_run, tiny_sala_dir):
     import mlflow
     from mlflow import MlflowClient
 
     from sala.checkpoint import load_model
 
-    out, r = sequential_run
+    out, r = quantize_run
     print(r.stdout[-2500:])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
@@ -89,7 +45,7 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
     assert model.config.num_hidden_layers == 8
     assert GATE_PASSED.search(r.stdout), r.stdout[-1500:]
 
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    mlflow.set_tracking_uri(pipeline_env["MLFLOW_TRACKING_URI"])
     client = MlflowClient()
     exp = client.get_experiment_by_name("sala-quantize")
     runs = client.search_runs([exp.experiment_id])
@@ -114,15 +70,15 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
     plan = load_plan(out, model.config)
     want = mixed_plan(model.config)
     assert (plan.kv, plan.state) == (want.kv, want.state) and set(plan.amax) == set(model.config.sparse_layers)
-    assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
     from safetensors import safe_open
 
     with safe_open(out / "model.safetensors", "pt") as f:
-        scale = f.get_tensor("model.layers.0.self_attn.k_scale")
-    assert scale.shape == (model.config.num_key_value_heads, 1, 1)
+        scale = f.get_tensor("model.layers.0.self_attn.attn.k_scale")
+    assert scale.shape == (1,)
     import torch
 
-    torch.testing.assert_close(scale.flatten(), torch.tensor(plan.amax[0]["k"]) / 448)
+    torch.testing.assert_close(scale, torch.tensor(plan.amax[0]["k"]).max().reshape(1) / 448)
     assert "kv_plan.json" in artifacts and runs[0].data.params["kv_plan_layers"] == plan.describe()
     assert version.tags["kv_plan"] == plan.describe()
     assert int(version.tags["kv_bytes_per_token"]) == sum(plan.kv_bytes_per_token(model.config).values())
@@ -130,7 +86,7 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
     from registry.models import resolve_model_path
 
     with pytest.MonkeyPatch.context() as mp:  # SALA_HOME is restored (or unset) afterwards
-        mp.setenv("SALA_HOME", env["SALA_HOME"])
+        mp.setenv("SALA_HOME", pipeline_env["SALA_HOME"])
         resolved = resolve_model_path("models:/tiny-q@champion")
     assert weights_sha(resolved) == weights_sha(out)
 
@@ -156,7 +112,7 @@ def test_end_to_end_checkpoint_mlflow_and_registry(env, sequential_run, tiny_sal
     assert got == seq[len(ids):]
 
 
-def test_last_lines_name_a_serve_command_that_works(env, sequential_run):
+def test_last_lines_name_a_serve_command_that_works(pipeline_env, quantize_run):
     """The job ends with what to do next: the printed serve command, pasted into a shell, serves
     the registered checkpoint under its registered name; the printed curl answers; the MLflow line
     names this run's store and run; the server stops on SIGTERM without a stack dump."""
@@ -165,24 +121,24 @@ def test_last_lines_name_a_serve_command_that_works(env, sequential_run):
     import httpx
     from mlflow import MlflowClient
 
-    _, r = sequential_run
+    _, r = quantize_run
     tail = r.stdout.rstrip().splitlines()[-5:]
     print("\n".join(tail))
     assert tail[0] == "next steps"
     steps = {line[:15].strip(): line[15:].strip() for line in tail[1:] if line[:15].strip()}
     serve_cmd = steps["serve it"]
     assert "-m serve.app --model models:/tiny-q@champion" in serve_cmd
-    assert f"MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}" in serve_cmd
+    assert f"MLFLOW_TRACKING_URI={pipeline_env['MLFLOW_TRACKING_URI']}" in serve_cmd
     assert "--model models:/tiny-q@champion --dataset" in steps["batch"]
-    run_id = MlflowClient(env["MLFLOW_TRACKING_URI"]).search_runs(
-        [MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("sala-quantize").experiment_id])[0].info.run_id
-    assert env["MLFLOW_TRACKING_URI"] in steps["MLflow UI"] and run_id in steps["MLflow UI"]
+    run_id = MlflowClient(pipeline_env["MLFLOW_TRACKING_URI"]).search_runs(
+        [MlflowClient(pipeline_env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("sala-quantize").experiment_id])[0].info.run_id
+    assert pipeline_env["MLFLOW_TRACKING_URI"] in steps["MLflow UI"] and run_id in steps["MLflow UI"]
 
     port = free_port()
     words = shlex.split(serve_cmd)  # as a shell runs it: leading NAME=value words set the environment
     n = next(i for i, w in enumerate(words) if not re.fullmatch(r"[A-Z_]+=.*", w))
     assigned, argv = dict(w.split("=", 1) for w in words[:n]), words[n:] + ["--port", str(port)]
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**env, **assigned, "OMP_NUM_THREADS": "1"},
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**pipeline_env, **assigned, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = []
     try:
@@ -229,35 +185,35 @@ def wait_until(condition, proc, err, timeout=300):
         time.sleep(0.02)
 
 
-def test_interrupted_run_resumes_with_identical_output(env, sequential_run, tiny_sala_dir, tmp_path, plan_file):
+def test_interrupted_run_resumes_with_identical_output(pipeline_env, quantize_run, tiny_sala_dir, tmp_path, plan_file):
     """Ctrl-C (SIGINT to the driver) once layer 3 is saved: exit 130, nothing at the output, the
     finished layers kept; the same command again reuses them and writes the same bytes. It resumes
     on one worker: the Hessians are summed per calibration shard in shard order, so the worker
-    count (1 here against sequential_run's 2) changes the time, not a byte of the checkpoint."""
+    count (1 here against quantize_run's 2) changes the time, not a byte of the checkpoint."""
     out = tmp_path / "resumed"
     args = ["--model", str(tiny_sala_dir), "--output", str(out), "--no-register", "--kv-plan", str(plan_file),
             *FEW_GATE_PROMPTS]
     layers_dir = out.with_name(f".{out.name}.layers")
-    proc, lines, err = start_pipeline(env, *args)
+    proc, lines, err = start_pipeline(pipeline_env, *args)
     wait_until(lambda: (layers_dir / "layer_003.json").exists(), proc, err)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130, "".join(err)[-3000:]
     assert not out.exists()
     kept = sorted(int(p.stem.split("_")[1]) for p in layers_dir.glob("layer_*.json"))
     assert kept[:4] == [0, 1, 2, 3] and len(kept) < 8, kept
-    assert "workers    2 Ray actors" in "".join(lines) and "workers    2 Ray actors" in sequential_run[1].stdout
-    second = run_pipeline(env, *args, "--workers", "1")
+    assert "workers    2 Ray actors" in "".join(lines) and "workers    2 Ray actors" in quantize_run[1].stdout
+    second = run_pipeline(pipeline_env, *args, "--workers", "1")
     assert "workers    1 Ray actors" in second.stdout
     assert f"reusing {len(kept)} finished layer(s) {kept}" in second.stdout
-    assert weights_sha(out) == weights_sha(sequential_run[0])
+    assert weights_sha(out) == weights_sha(quantize_run[0])
     assert not layers_dir.exists()
 
 
-def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_dir, tmp_path, plan_file):
+def test_a_worker_killed_mid_run_changes_nothing(pipeline_env, quantize_run, tiny_sala_dir, tmp_path, plan_file):
     """SIGKILL one worker actor's process while layers are being quantized: Ray restarts it, it
     replays the quantized layers before its pending call, and the checkpoint is the same bytes."""
     out = tmp_path / "faulty"
-    proc, lines, err = start_pipeline(env, "--model", str(tiny_sala_dir), "--output", str(out), "--no-register",
+    proc, lines, err = start_pipeline(pipeline_env, "--model", str(tiny_sala_dir), "--output", str(out), "--no-register",
                                       "--kv-plan", str(plan_file), *FEW_GATE_PROMPTS)
     layers_dir = out.with_name(f".{out.name}.layers")
     wait_until(lambda: (layers_dir / "layer_002.json").exists(), proc, err)
@@ -267,7 +223,7 @@ def test_a_worker_killed_mid_run_changes_nothing(env, sequential_run, tiny_sala_
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)
     assert proc.wait(timeout=600) == 0, "".join(err)[-3000:]
-    assert weights_sha(out) == weights_sha(sequential_run[0])
+    assert weights_sha(out) == weights_sha(quantize_run[0])
     assert GATE_PASSED.search("".join(lines))
 
 
@@ -298,31 +254,31 @@ def run_main(env, monkeypatch, capsys, *args, extra_env=None) -> tuple[int, str]
         (["--kv-plan", "{tmp}/bad_plan.json"], "layer 0: unknown kv format 'int4'"),
     ],
 )
-def test_bad_input_fails_fast_with_one_line(env, tiny_sala_dir, tmp_path, args, needle, monkeypatch, capsys):
+def test_bad_input_fails_fast_with_one_line(pipeline_env, tiny_sala_dir, tmp_path, args, needle, monkeypatch, capsys):
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad_plan.json").write_text('{"layers": [{"layer": 0, "kind": "sparse", "kv": "int4"}]}')
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     if "--model" not in args:
         args = ["--model", str(tiny_sala_dir), *args]
-    code, err = run_main(env, monkeypatch, capsys, *args)
+    code, err = run_main(pipeline_env, monkeypatch, capsys, *args)
     assert code == 2, err[-2000:]
     assert needle in err and len(err.strip().splitlines()) == 1, err
     assert "quantizing layers" not in err  # refused before any expensive work
 
 
-def test_unreachable_mlflow_and_ray(env, tiny_sala_dir, monkeypatch, capsys):
-    code, err = run_main(env, monkeypatch, capsys, "--model", str(tiny_sala_dir),
+def test_unreachable_mlflow_and_ray(pipeline_env, tiny_sala_dir, monkeypatch, capsys):
+    code, err = run_main(pipeline_env, monkeypatch, capsys, "--model", str(tiny_sala_dir),
                          extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
     assert code == 2 and "unreachable" in err
-    code, err = run_main(env, monkeypatch, capsys, "--model", str(tiny_sala_dir), "--output", "/tmp/sala-unused-out",
+    code, err = run_main(pipeline_env, monkeypatch, capsys, "--model", str(tiny_sala_dir), "--output", "/tmp/sala-unused-out",
                          extra_env={"RAY_ADDRESS": "127.0.0.1:9"})
     assert code == 2 and "cannot reach Ray" in err
 
 
-def test_ray_job_submit(env, tiny_sala_dir, tmp_path):
+def test_ray_job_submit(pipeline_env, tiny_sala_dir, tmp_path):
     # Ray 2.60 clusters use token auth: the head and the job client share this token.
-    e = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    e = {**pipeline_env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     ray_bin = str(Path(sys.executable).parent / "ray")
     port, dash = free_port(), free_port()
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from sala.checkpoint_files import CheckpointError, check_state_dict, load_state_dict, read_config, write_checkpoint
-from sala.kv.export import is_our_scheme, kv_cache_scheme, kv_scale_tensors, pop_kv_scales
+from sala.kv.export import kv_cache_scheme, kv_scale_tensors, pop_kv_scales, scheme_strategy
 from sala.kv.plan import PLAN_FILE, load_plan
 from sala.quant.nvfp4 import NVFP4Tensor
 
@@ -49,8 +49,8 @@ def quantization_config(ignore: list[str], act_order: bool = False, kv_cache: bo
 def check_quantization_config(qc: dict, source: Path) -> QuantizationConfig:
     """Accept exactly the format we can load: compressed NVFP4 weights (4-bit float, groups of
     16 sharing an FP8 scale, one global scale per tensor), no activation quantization, no KV-cache
-    scheme but our static per-head FP8 one (sala/kv/export.py), no sparsity. Anything else is named, not half-loaded. Returns the parsed
-    compressed-tensors QuantizationConfig."""
+    scheme but static symmetric FP8 (sala/kv/export.py), no sparsity. Anything else is named, not
+    half-loaded. Returns the parsed compressed-tensors QuantizationConfig."""
     from compressed_tensors.quantization import QuantizationConfig
 
     if qc.get("quant_method") != "compressed-tensors":
@@ -66,9 +66,9 @@ def check_quantization_config(qc: dict, source: Path) -> QuantizationConfig:
     if parsed.quantization_status != "compressed":
         raise CheckpointError(f"{source}: quantization_status {parsed.quantization_status.value!r}; only packed "
                               "('compressed') weights are supported")
-    if qc.get("kv_cache_scheme") is not None and not is_our_scheme(qc["kv_cache_scheme"]):
+    if qc.get("kv_cache_scheme") is not None and scheme_strategy(qc["kv_cache_scheme"]) is None:
         raise CheckpointError(f"{source}: KV-cache quantization (kv_cache_scheme) {qc['kv_cache_scheme']} is not supported "
-                              "(only static FP8, symmetric, per kv head: strategy attn_head)")
+                              "(only static symmetric FP8, strategy tensor or attn_head)")
     for name, scheme in parsed.config_groups.items():
         w = scheme.weights
         if scheme.format not in (None, FORMAT):
@@ -145,7 +145,7 @@ def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = No
     config = read_config(path)
     parsed = check_quantization_config(config.quantization_config, path / "config.json")
     state = load_state_dict(path, verify=verify)
-    check_kv_scales(pop_kv_scales(state), parsed.kv_cache_scheme is not None, path, config)
+    check_kv_scales(pop_kv_scales(state), scheme_strategy(config.quantization_config.get("kv_cache_scheme")), path, config)
     dtype = dtype or torch.bfloat16
     with torch.device("meta"):
         model = SALAForCausalLM(config)
@@ -180,16 +180,16 @@ def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = No
     return model.to(device).eval()
 
 
-def check_kv_scales(scales: dict[str, torch.Tensor], declared: bool, path: Path, config) -> None:
-    """k_scale / v_scale exactly when a KV-cache scheme is declared, and equal to the scales of the
-    kv_plan.json beside them (which the engine uses)."""
-    if not declared:
+def check_kv_scales(scales: dict[str, torch.Tensor], strategy: str | None, path: Path, config) -> None:
+    """k_scale / v_scale exactly when a KV-cache scheme (of `strategy`) is declared, and equal to
+    the scales of the kv_plan.json beside them (which the engine uses)."""
+    if strategy is None:
         if scales:
             raise CheckpointError(f"{path}: tensor {next(iter(scales))} but no kv_cache_scheme in quantization_config")
         return
     if not (path / PLAN_FILE).is_file():
         raise CheckpointError(f"{path}: kv_cache_scheme declared but no {PLAN_FILE} beside config.json")
-    want = kv_scale_tensors(load_plan(path / PLAN_FILE, config), config)
+    want = kv_scale_tensors(load_plan(path / PLAN_FILE, config), config, strategy)
     for key in sorted(set(want) | set(scales)):
         if key not in scales or key not in want or not torch.equal(scales[key].float(), want[key]):
             raise CheckpointError(f"{path}: KV-cache scale {key} is missing, unexpected or differs from {PLAN_FILE}")
