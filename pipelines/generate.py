@@ -266,8 +266,7 @@ def main(argv=None) -> int:
     from registry.models import ModelSpecError, resolve_model_path
     from registry.tracking import TrackingError, setup_mlflow
     from sala.checkpoint import DeviceUnavailable, gpu_device, read_config
-    from sala.engine import InvalidParam, SamplingParams
-    from sala.engine.speculation import SpeculationSettingError, parse_max_batch
+    from sala.engine import InvalidParam, SamplingParams, SpeculationSettingError, parse_max_batch
     from sala.eval.calibration import DatasetError, dataset_kind
     from sala.kv import KVPlanError, load_plan
     from sala.medusa.heads import has_medusa

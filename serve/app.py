@@ -43,8 +43,17 @@ from starlette.exceptions import HTTPException
 
 from registry.models import model_name, resolve_model_path
 from sala.checkpoint import DeviceUnavailable, gpu_device, read_config
-from sala.engine import AsyncEngine, Engine, InvalidParam, QueueFull, RequestOutput, RequestStream, SamplingParams
-from sala.engine.speculation import SpeculationSettingError, parse_max_batch
+from sala.engine import (
+    AsyncEngine,
+    Engine,
+    InvalidParam,
+    QueueFull,
+    RequestOutput,
+    RequestStream,
+    SamplingParams,
+    SpeculationSettingError,
+    parse_max_batch,
+)
 from sala.kv import KVPlanError, load_plan
 from sala.medusa.heads import has_medusa
 from serve.protocol import (

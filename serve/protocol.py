@@ -14,9 +14,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sala.engine import InvalidParam, RequestOutput, SamplingParams, TokenLogprob
-from sala.engine.detokenizer import TokenBytes
-from sala.engine.request import SpecStats
+from sala.engine import InvalidParam, RequestOutput, SamplingParams, SpecStats, TokenBytes, TokenLogprob
 
 
 class APIError(Exception):

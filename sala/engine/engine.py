@@ -42,11 +42,13 @@ from sala.engine.runner import ModelRunner
 from sala.engine.sampling import sample, token_logprobs
 from sala.engine.scheduler import Scheduler
 from sala.engine.speculation import SpeculationPolicy, parse_max_batch
+from sala.engine.stats import EngineInfo, EngineStats, LayerBytes, PrefixStats, SpeculationStats
 from sala.kv import PLAN_FILE, default_plan, load_plan
 from sala.medusa import accept as medusa_accept  # a module: sala.medusa.accept imports the engine's sampling
 from sala.medusa.tree import expected_accept_length
 
 log = logging.getLogger(__name__)
+FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -215,6 +217,37 @@ class Engine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def info(self) -> EngineInfo:
+        """The engine's settings, fixed for its life."""
+        plan, kv, config = self.cache.plan, self.kv_plan, self.config
+        layers = [LayerBytes(i, "sparse", kv.kv[i], "token", b) for i, b in kv.kv_bytes_per_token(config).items()]
+        layers += [LayerBytes(i, "lightning", kv.state[i], "sequence", b) for i, b in kv.state_bytes_per_seq(config).items()]
+        return EngineInfo(str(self.device), self.max_model_len, config.vocab_size, plan.max_seqs, plan.num_pages,
+                          plan.page_size, self.scheduler.max_batch_tokens, self.scheduler.max_waiting,
+                          self.runner.fast_decode is not None, plan.kv_bytes_per_token, plan.state_bytes_per_seq,
+                          tuple(layers))
+
+    def stats(self) -> EngineStats:
+        """Counters and queues now (on the step thread; AsyncEngine.stats from an event loop)."""
+        prefix = spec = None
+        if p := self.prefix:
+            prefix = PrefixStats(p.num_queried_tokens, p.num_hit_tokens, p.num_evictable, p.num_evicted_pages,
+                                 p.num_snapshots * p.snapshot_bytes, p.max_snapshots * p.snapshot_bytes)
+        if self.spec is not None:
+            spec = SpeculationStats(self.spec.verify_steps, self.spec.draft_tokens, self.spec.accepted_tokens,
+                                    self.spec.accept_length, self.speculation.largest_batch(self.cache.plan.max_seqs))
+        return EngineStats(self.scheduler.num_waiting, len(self.scheduler.running), len(self.cache.free_pages),
+                           self.num_prompt_tokens, self.num_generated_tokens, self.num_preemptions,
+                           {r: self.num_finished[r] for r in FINISH_REASONS}, prefix, spec)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix page no request holds (SGLang's /flush_cache); how many went."""
+        return self.prefix.flush() if self.prefix else 0
+
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` a request could take from the prefix cache now."""
+        return self.prefix.resumable_len(tokens) if self.prefix else 0
 
     def warmup(self) -> None:
         """Compile (CPU) or capture (CUDA) the decode step now, not on the first request, and with
@@ -535,6 +568,10 @@ class AsyncEngine:
         self.engine.cancel(stream.request)
         self.wakeup.set()
         return True
+
+    def stats(self):
+        """Await Engine.stats() taken between two steps."""
+        return self.between_steps(self.engine.stats)
 
     def close(self) -> None:
         self.stopping = True
