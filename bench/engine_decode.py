@@ -12,6 +12,10 @@ Three measurements, all in this run:
    only the tokens requested count). Tokens are compared with generate()'s per request.
 3. Ops per decode step (profiler events): generate()'s model call, the engine's eager step,
    the compiled step.
+4. Host time per decode step outside the model's forward (scheduling, building the step
+   context, sampling, emitting) at batch 1, 8 and 64: a compiled engine's step time less the
+   time in its compiled forward, median over 16 steps. On a GPU the forward is the device's
+   work; this is what must stay well under it (a 9B NVFP4 step reads ~6 GB: ~1.3 ms on an H200).
 
     python bench/engine_decode.py [--new-tokens 64] [--prompt-tokens 32] [--threads 2]
 """
@@ -68,6 +72,38 @@ def engine_decode_step_ops(engine, prompt: list[int], batch: int) -> tuple[int, 
         engine.cancel(r)
     engine.step()
     return eager, compiled
+
+
+def host_ms_outside_forward(engine, prompt: list[int], batch: int, steps: int = 16) -> float:
+    """Median ms of a pure decode step of `batch` requests spent outside the compiled forward."""
+    fast = engine.runner.fast_decode
+    inner, spent = fast.fn, []
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        out = inner(*args)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    fast.fn = timed
+    reqs = [engine.add_request(prompt, SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True))
+            for _ in range(batch)]
+    outside = []
+    try:
+        while len(outside) < steps and engine.has_work():
+            spent.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t0
+            if len(spent) == 1:  # a pure decode step: one compiled forward
+                outside.append(total - spent[0])
+    finally:
+        fast.fn = inner
+        for r in reqs:
+            engine.cancel(r)
+        while engine.has_work():
+            engine.step()
+    return 1e3 * sorted(outside)[len(outside) // 2]
 
 
 @torch.inference_mode()
@@ -161,6 +197,15 @@ def main():
         print(f"  {name:<24} {count:>5}")
     result |= {"ops_hf": ops["generate() model call"], "ops_engine_eager": ops["engine eager step"],
                "ops_engine_compiled": ops["engine compiled step"]}
+
+    # Host time outside the forward.
+    wide = Engine(load_model(path), tok, max_seqs=64)
+    wide.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # compile
+    print("\nhost time per decode step outside the compiled forward (scheduling, step context, sampling, emitting)")
+    for b in (1, 8, 64):
+        ms = host_ms_outside_forward(wide, prompts[0], b)
+        print(f"  batch {b:>2}: {ms:6.3f} ms")
+        result[f"host_ms_b{b}"] = round(ms, 3)
     print(json.dumps(result))
 
 
