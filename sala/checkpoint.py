@@ -1,8 +1,10 @@
 """Loading and saving SALA models as checkpoint directories: the one place that picks the format.
 
-A dense (BF16/FP32) checkpoint loads here; a quantized one (compressed-tensors NVFP4) through
-`sala.quant.export`. Both sit on `sala.checkpoint_files` (manifest, atomic writes, shards,
-config.json), whose public names this module also exports, so callers import one module.
+`load_model` dispatches on config.json's quantization_config: none is a dense (BF16/FP32)
+checkpoint, loaded here; compressed-tensors is our NVFP4 format, loaded by sala/quant/load.py
+(the writer, sala/quant/export.py, is not involved). All sit on `sala.checkpoint_files`
+(manifest, atomic writes, shards, config.json), whose public names this module also exports,
+so callers import one module.
 """
 from __future__ import annotations
 
@@ -27,7 +29,6 @@ from sala.checkpoint_files import (  # noqa: F401  (re-exported: the checkpoint 
     write_file_atomic,
     write_manifest,
 )
-from sala.quant.export import load_quantized_model
 
 
 class DeviceUnavailable(RuntimeError):
@@ -46,28 +47,36 @@ def gpu_device(num_gpus: float) -> str:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True):
-    """Load a SALA checkpoint directory into SALAForCausalLM (eval mode).
-
-    A quantized (compressed-tensors NVFP4) checkpoint loads through sala.quant.export with
-    packed weights on the W4A16 path.
-    """
-    from sala.model import SALAForCausalLM
-
+    """Load a SALA checkpoint directory into SALAForCausalLM (eval mode); a quantized one with
+    packed weights on the W4A16 path."""
     path = Path(path)
     config = read_config(path)
-    if getattr(config, "quantization_config", None):
-        model = load_quantized_model(path, dtype=dtype, device=device, verify=verify)
-    else:
-        state = load_state_dict(path, verify=verify)
-        with torch.device("meta"):
-            model = SALAForCausalLM(config)
-        check_state_dict(model, state, path)
-        dtype = dtype or next(iter(state.values())).dtype
-        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-        model = model.to(device).eval()
+    model = _loader(config)(path, dtype=dtype, device=device, verify=verify)
     if (path / "generation_config.json").exists():
         # As from_pretrained does: its eos ids may name end-of-turn tokens that config.json lacks.
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model
+
+
+def _loader(config):
+    """The loader of the checkpoint's weight format."""
+    if not getattr(config, "quantization_config", None):
+        return load_dense_model
+    from sala.quant.load import load_quantized_model  # it names a quant_method or format it cannot load
+
+    return load_quantized_model
+
+
+def load_dense_model(path: Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True):
+    """A dense checkpoint, in its stored dtype unless `dtype` is given."""
+    from sala.model import SALAForCausalLM
+
+    state = load_state_dict(path, verify=verify)
+    with torch.device("meta"):
+        model = SALAForCausalLM(read_config(path))
+    check_state_dict(model, state, path)
+    dtype = dtype or next(iter(state.values())).dtype
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    return model.to(device).eval()

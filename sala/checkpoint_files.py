@@ -15,7 +15,7 @@ directory without a manifest (a checkpoint from the Hub) loads, with one warning
 was verified.
 
 This module knows files, not formats: `sala.checkpoint` builds models from them (dense or, through
-`sala.quant.export`, NVFP4), and both read and write through here.
+`sala.quant.load` / `sala.quant.export`, NVFP4), and both read and write through here.
 """
 from __future__ import annotations
 

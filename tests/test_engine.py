@@ -17,8 +17,8 @@ from sala.config import SALAConfig
 from sala.engine import AsyncEngine, CacheFull, Engine, InvalidParam, QueueFull, SamplingParams
 from sala.engine.cache import CachePool, plan_memory
 from sala.engine.engine import cuda_cache_budget
-from sala.engine.sampling import filtered_probs
 from sala.kv import KVPlan
+from sala.sampling import filtered_probs
 from sala.tiny import heldout_texts
 from tests.conftest import assert_gpu_bench_refuses_cpu
 
@@ -286,7 +286,7 @@ def test_sampled_tokens_follow_the_filtered_distribution(model, tokenizer):
     """The inverse-CDF draw: 4000 seeded draws from one distribution match its probabilities, and
     never pick a token that top-k / top-p removed."""
     from sala.engine.request import Request
-    from sala.engine.sampling import sample
+    from sala.sampling import sample
 
     torch.manual_seed(0)
     logits = torch.randn(1, 40) * 2

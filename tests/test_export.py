@@ -15,9 +15,10 @@ from compressed_tensors.quantization.utils import generate_gparam
 from safetensors.torch import load_file
 
 from sala.checkpoint import CheckpointError, load_model, write_manifest
-from sala.quant.export import export_checkpoint, load_quantized_model
+from sala.quant.export import export_checkpoint
 from sala.quant.layerwise import apply_quantized, quantize_model
 from sala.quant.linear import NVFP4Linear
+from sala.quant.load import load_quantized_model
 from tests.test_model import random_model
 
 # Every in-feature (hidden 64, intermediate 96, heads x head_dim 64) is a multiple of 16;

@@ -3,10 +3,9 @@ import math
 
 import torch
 
-from sala.engine.params import SamplingParams
-from sala.engine.sampling import filtered_probs
 from sala.medusa.accept import accept
 from sala.medusa.tree import MC_SIM_7B_63, build_tree
+from sala.sampling import SamplingParams, filtered_probs
 
 
 def naive(tree, tokens, logits, params, max_nodes, eps=0.09, alpha=0.3):

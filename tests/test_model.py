@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-import sala  # noqa: F401  (registers the Auto classes)
 from sala.config import SALAConfig
 from sala.model import SALAForCausalLM
 

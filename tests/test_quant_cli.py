@@ -64,8 +64,8 @@ def test_gptq_beats_rtn_on_the_same_calibration_inputs(gptq_run, tiny_sala_dir):
     from transformers import AutoTokenizer
 
     from sala.eval import calibration as cal
-    from sala.quant.export import load_quantized_model
     from sala.quant.layerwise import layer_groups
+    from sala.quant.load import load_quantized_model
     from sala.quant.nvfp4 import quantize_rtn
 
     out, r = gptq_run

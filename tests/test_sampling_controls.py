@@ -1,7 +1,7 @@
 """The sampling controls (logit_bias, min_p, min_tokens, repetition / presence / frequency
 penalties, no_stop_trim, the matched stop) against naive per-request references.
 
-The batched adjustment (sala/engine/logits_controls.py) is compared with a per-token Python
+The batched adjustment (sala/sampling/controls.py) is compared with a per-token Python
 loop written from the definitions; through the engine, greedy decoding with the controls is
 compared with the model's full-forward greedy loop that applies the same loop at each step.
 """
@@ -16,9 +16,9 @@ import torch
 from sala.checkpoint import load_model
 from sala.engine import Engine, InvalidParam, SamplingParams
 from sala.engine.detokenizer import TokenBytes
-from sala.engine.logits_controls import adjust_logits
 from sala.engine.request import Request
-from sala.engine.sampling import filtered_probs, sample
+from sala.sampling import filtered_probs, sample
+from sala.sampling.controls import adjust_logits
 from sala.tiny import heldout_texts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,9 +9,9 @@ from sala.checkpoint import load_model
 from sala.config import SALAConfig
 from sala.engine import Engine, SamplingParams
 from sala.engine.cache import plan_memory
-from sala.engine.params import InvalidParam
 from sala.kv import default_plan
 from sala.model import SALAForCausalLM
+from sala.sampling import InvalidParam
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

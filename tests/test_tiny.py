@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import sala  # noqa: F401
+import sala
 from sala.checkpoint import load_model
 from sala.config import LIGHTNING, SPARSE
 
@@ -56,6 +56,7 @@ def test_heldout_perplexity_recomputed_from_the_checkpoint(tiny_sala_dir):
 
 
 def test_transformers_auto_classes_load_and_generate(tiny_sala_dir):
+    sala.register()
     ours = load_model(tiny_sala_dir)
     auto = AutoModelForCausalLM.from_pretrained(tiny_sala_dir)
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)

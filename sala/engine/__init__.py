@@ -4,11 +4,11 @@ What servers and jobs use is exported here; the modules behind it may move."""
 from sala.engine.cache import CacheFull, CachePool
 from sala.engine.detokenizer import TokenBytes
 from sala.engine.engine import AsyncEngine, Engine, RequestStream
-from sala.engine.params import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams
-from sala.engine.request import Completion, RequestOutput, SpecStats, TokenLogprob
+from sala.engine.request import Completion, RequestOutput, SpecStats
 from sala.engine.scheduler import QueueFull
 from sala.engine.speculation import SpeculationSettingError, parse_max_batch
 from sala.engine.stats import EngineInfo, EngineStats
+from sala.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams, TokenLogprob
 
 __all__ = ["AsyncEngine", "CacheFull", "CachePool", "Completion", "Engine", "EngineInfo", "EngineStats", "InvalidParam",
            "MAX_TOP_LOGPROBS", "QueueFull", "RequestOutput", "RequestStream", "SamplingParams", "SpecStats",

@@ -35,17 +35,16 @@ from kernels.target import require_supported
 from sala import lightning
 from sala.engine.cache import CacheFull, CachePool, full_request_kv_bytes, kv_bytes_per_token, plan_memory, state_bytes_per_seq
 from sala.engine.detokenizer import IncrementalDetokenizer
-from sala.engine.params import InvalidParam, SamplingParams
 from sala.engine.prefix import PrefixCache
-from sala.engine.request import Completion, Request, RequestOutput, SpecStats, TokenLogprob
+from sala.engine.request import Completion, Request, RequestOutput, SpecStats
 from sala.engine.runner import ModelRunner
-from sala.engine.sampling import sample, token_logprobs
 from sala.engine.scheduler import Scheduler
 from sala.engine.speculation import SpeculationPolicy, parse_max_batch
 from sala.engine.stats import EngineInfo, EngineStats, LayerBytes, PrefixStats, SpeculationStats
 from sala.kv import PLAN_FILE, default_plan, load_plan
 from sala.medusa import accept as medusa_accept  # a module: sala.medusa.accept imports the engine's sampling
 from sala.medusa.tree import expected_accept_length
+from sala.sampling import InvalidParam, SamplingParams, TokenLogprob, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled")

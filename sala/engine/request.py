@@ -9,16 +9,9 @@ from typing import Callable
 import torch
 
 from sala.engine.detokenizer import IncrementalDetokenizer
-from sala.engine.params import SamplingParams
+from sala.sampling import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the k most likely (token id, logprob), most likely first
 
 
 @dataclass

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sala.engine.params import SamplingParams
-from sala.engine.sampling import filtered_probs
 from sala.medusa.tree import MedusaTree
+from sala.sampling import SamplingParams, filtered_probs
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
 TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha (delta ~ sqrt(epsilon))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from sala.engine.request import Request
+from sala.sampling.params import Sequence
 
 
 def _token_table(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -28,7 +28,7 @@ def _token_table(seqs: list[list[int]], pad: int, device: torch.device) -> torch
     return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
 
 
-def adjust_logits(logits: torch.Tensor, requests: list[Request], eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, requests: list[Sequence], eos_ids: set[int] | frozenset[int]) -> torch.Tensor:
     """logits [n, V], one row per request -> the logits to choose from (a new tensor when any row
     changes: the caller's logits still give the reported, unadjusted logprobs)."""
     rows = [i for i, r in enumerate(requests) if r.params.adjusts_logits]

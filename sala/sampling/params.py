@@ -5,13 +5,17 @@ a request's fields through unchanged. temperature == 0 means greedy. A bad value
 InvalidParam naming the field, which the server turns into an HTTP 400 with that `param`.
 
 The logits controls (logit_bias, min_tokens, the three penalties) and min_p follow vLLM's
-definitions (sala/engine/logits_controls.py applies them); each is off at its default, and a
+definitions (sala/sampling/controls.py applies them); each is off at its default, and a
 step none of whose requests sets one pays nothing for them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TOP_LOGPROBS = 256
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
@@ -90,3 +94,13 @@ class SamplingParams:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidParam("logit_bias", f"logit_bias for token {token} must be in [-100, 100], got {bias!r}")
         return self
+
+
+class Sequence(Protocol):
+    """A request as sampling reads it (the engine's Request is one): its parameters, its
+    generator (sampled requests only) and its tokens so far (penalties, min_tokens)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]

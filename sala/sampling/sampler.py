@@ -1,5 +1,5 @@
 """Next tokens from logits for a whole step at once: the requests' logits controls first
-(logits_controls.py: logit_bias, min_tokens, penalties), then greedy rows by argmax, sampled
+(controls.py: logit_bias, min_tokens, penalties), then greedy rows by argmax, sampled
 rows through temperature, min-p, top-k and top-p as batched tensor ops, then one inverse-CDF
 draw per row.
 
@@ -12,12 +12,19 @@ and the OpenAI API report them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from sala.engine.logits_controls import adjust_logits
-from sala.engine.params import SamplingParams
-from sala.engine.request import Request, TokenLogprob
+from sala.sampling.controls import adjust_logits
+from sala.sampling.params import SamplingParams, Sequence
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob), most likely first
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -46,7 +53,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs
 
 
-def sample(logits: torch.Tensor, requests: list[Request], eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
+def sample(logits: torch.Tensor, requests: list[Sequence], eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """logits [n, V] fp32, one row per request -> the next token of each (eos_ids: what min_tokens holds back)."""
     logits = adjust_logits(logits, requests, eos_ids)
     tokens = logits.argmax(-1)
