@@ -31,7 +31,7 @@ from kernels.nvfp4_gemm import GROUP_SIZE  # noqa: E402
 from kernels.target import TARGETS  # noqa: E402
 from sala import sparse  # noqa: E402
 from sala.config import MINICPM_SALA_9B, SALAConfig  # noqa: E402
-from sala.engine.cache import state_bytes_per_seq  # noqa: E402
+from sala.engine.memory import state_bytes_per_seq  # noqa: E402
 from sala.kv import KVPlan  # noqa: E402
 
 GPUS = {"H200": TARGETS["sm_90a"].bandwidth, "B200": TARGETS["sm_100a"].bandwidth}

@@ -28,7 +28,6 @@ import torch
 
 from sala.checkpoint import load_model
 from sala.engine import Engine, SamplingParams
-from sala.engine.scheduler import Schedule
 from sala.tiny import ensure_tiny_sala, heldout_texts
 
 
@@ -65,7 +64,7 @@ def engine_decode_step_ops(engine, prompt: list[int], batch: int) -> tuple[int, 
     engine.step()
     engine.step()  # one decode step, so the compiled graph exists
     with torch.inference_mode():
-        ids, ctx, _, _ = engine.runner.prepare(Schedule(decodes=list(engine.scheduler.running)))
+        ids, ctx = engine.runner.decode_context(list(engine.scheduler.running))
         eager = count_ops(lambda: engine.runner.forward(ids, ctx))
         compiled = count_ops(lambda: engine.runner.fast_decode(ids, ctx))
     for r in reqs:

@@ -43,7 +43,7 @@ SMALL_POOL_PAGES, PAGE = 12, 16
 
 def small_pool_bytes(model, max_seqs: int) -> int:
     """A memory budget of SMALL_POOL_PAGES pages and max_seqs states: too few pages for everyone."""
-    from sala.engine.cache import kv_bytes_per_token, state_bytes_per_seq
+    from sala.engine.memory import kv_bytes_per_token, state_bytes_per_seq
     from sala.kv import default_plan
 
     plan = default_plan(model.config, next(model.parameters()).dtype)

@@ -59,26 +59,27 @@ def run_waves(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> 
     from sala.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    spec0 = engine.spec.copy() if engine.spec else None
+    totals = (lambda: engine.speculation.totals) if engine.speculation else None  # replaced by warmup: read each time
+    spec0 = totals().copy() if totals else None
     decode_time, decode_steps, verified_steps, wall, outputs = 0.0, 0, 0, 0.0, []
     for i in range(0, len(prompts), batch):
         reqs = [engine.add_request(p, params) for p in prompts[i : i + batch]]
         start = time.perf_counter()
         while engine.has_work():
             pure = not engine.scheduler.waiting and all(not r.prefilling for r in engine.scheduler.running)
-            v0 = engine.spec.verify_steps if engine.spec else 0
+            v0 = totals().verify_steps if totals else 0
             t0 = time.perf_counter()
             engine.step()
             if pure:
                 decode_time += time.perf_counter() - t0
                 decode_steps += 1
-                verified_steps += engine.spec is not None and engine.spec.verify_steps > v0
+                verified_steps += totals is not None and totals().verify_steps > v0
         wall += time.perf_counter() - start
         outputs += [r.output_ids for r in reqs]
     out = {"tokens_per_s": sum(map(len, outputs)) / wall, "step_ms": 1e3 * decode_time / max(decode_steps, 1),
            "outputs": outputs, "verified_share": verified_steps / max(decode_steps, 1)}
     if spec0 is not None:
-        s = engine.spec
+        s = totals()
         steps = s.verify_steps - spec0.verify_steps
         out["accept_length"] = 1 + (s.accepted_tokens - spec0.accepted_tokens) / max(steps, 1)
         out["acceptance_per_depth"] = [(a - b) / max(steps, 1) for a, b in
@@ -144,9 +145,9 @@ def main(argv=None) -> int:
             runs = []
             for _ in range(args.repeats):
                 p = run_waves(plain, prompts, b, args.max_tokens)
-                engine.speculation.max_batch = None  # verify at every batch size
+                engine.speculation.policy.max_batch = None  # verify at every batch size
                 m = run_waves(engine, prompts, b, args.max_tokens)
-                engine.speculation.max_batch = "auto"
+                engine.speculation.policy.max_batch = "auto"
                 a = run_waves(engine, prompts, b, args.max_tokens)
                 lossless &= p["outputs"] == m["outputs"] == a["outputs"]
                 runs.append((p, m, a))

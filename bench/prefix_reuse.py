@@ -88,7 +88,7 @@ def across_replicas(args) -> None:
     from ray import serve
 
     from sala.checkpoint import read_config
-    from sala.engine.cache import kv_bytes_per_token, state_bytes_per_seq
+    from sala.engine.memory import kv_bytes_per_token, state_bytes_per_seq
     from sala.kv.plan import default_plan
     from serve.app import build_app
 

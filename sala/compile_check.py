@@ -11,7 +11,7 @@ Triton, and each cubin's resources are read back with its cuobjdump.
 
 Two models, each in the dtypes the engine serves it in: the released 9B config and tiny-sala.
 The sizes are the engine's own: decode batches at the sizes CUDA graphs are captured at
-(runner.graph_batch_sizes up to MAX_SEQS["cuda"]), prompt chunks up to the step's token budget
+(graphs.graph_batch_sizes up to MAX_SEQS["cuda"]), prompt chunks up to the step's token budget
 (MAX_BATCH_TOKENS["cuda"]), page tables one page wide and as wide as a graph's, pools small and
 past 2^31 elements, every K/V format a plan can name, fp32 and bf16 lightning states, Medusa
 trees of every tile size up to Medusa's default tree, and InfLLM-v2's sparse path where the
@@ -44,7 +44,7 @@ from kernels.target import TARGETS
 from sala import lightning, lightning_tree, sparse
 from sala.config import MINICPM_SALA_9B, SALAConfig
 from sala.engine.engine import MAX_BATCH_TOKENS, MAX_SEQS, PAGE_SIZE
-from sala.engine.runner import graph_batch_sizes
+from sala.engine.graphs import graph_batch_sizes
 from sala.kv.formats import DENSE_DTYPES, make_codec
 from sala.kv.pages import KVPages, decode_attention
 from sala.medusa.tree import MC_SIM_7B_63, build_tree

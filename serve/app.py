@@ -120,7 +120,7 @@ class EngineCollector:
                                   value=e.num_preemptions)
         yield GaugeMetricFamily("sala_kv_pages_free", "Free K/V cache pages", value=len(e.cache.free_pages))
         yield GaugeMetricFamily("sala_kv_pages", "K/V cache pages in all", value=e.cache.plan.num_pages)
-        if p := e.prefix:
+        if p := e.cache.prefix:
             yield CounterMetricFamily("sala_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
                                       value=p.num_queried_tokens)
             yield CounterMetricFamily("sala_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache "
@@ -151,14 +151,14 @@ class EngineCollector:
         for reason in ("stop", "length", "cancelled"):
             finished.add_metric([reason], e.num_finished[reason])
         yield finished
-        if e.spec is not None:  # Medusa: mean accept length = 1 + accepted / verify steps (bonus included, as vLLM / SGLang)
-            yield CounterMetricFamily("sala_spec_verify_steps", "Medusa tree-verify steps", value=e.spec.verify_steps)
+        if e.speculation is not None:  # Medusa: mean accept length = 1 + accepted / verify steps (bonus included, as vLLM / SGLang)
+            yield CounterMetricFamily("sala_spec_verify_steps", "Medusa tree-verify steps", value=e.speculation.totals.verify_steps)
             yield CounterMetricFamily("sala_spec_draft_tokens", "Drafted tokens verified (tree nodes below the root)",
-                                      value=e.spec.draft_tokens)
+                                      value=e.speculation.totals.draft_tokens)
             yield CounterMetricFamily("sala_spec_accepted_tokens", "Drafted tokens accepted (the bonus token not counted)",
-                                      value=e.spec.accepted_tokens)
+                                      value=e.speculation.totals.accepted_tokens)
             yield GaugeMetricFamily("sala_spec_accept_length", "Tokens per verify step, bonus included",
-                                    value=e.spec.accept_length)
+                                    value=e.speculation.totals.accept_length)
             yield GaugeMetricFamily("sala_spec_max_batch", "Largest decode batch that verifies draft trees now "
                                     "(medusa_max_batch; above it steps decode plainly)",
                                     value=e.speculation.largest_batch(e.cache.plan.max_seqs))
@@ -270,7 +270,7 @@ class SalaServer:
     async def prefix_summary(self, request: SummaryRequest) -> tuple[str, list[int]]:
         """For the router (PrefixRoutingIngress.refresh): this replica's id and the blocks of the
         prompts relayed to it that its prefix cache still holds."""
-        prefix, served, tokens = self.engine.engine.prefix, self.served, dict(self.served.tokens)
+        prefix, served, tokens = self.engine.engine.cache.prefix, self.served, dict(self.served.tokens)
 
         def look_up() -> tuple[int, dict[str, int]]:  # on the step thread, whose the trie is
             if prefix is None:
@@ -458,7 +458,7 @@ class SalaServer:
     async def flush_cache(self, request: Request) -> Response:
         """SGLang's /flush_cache: drop every cached prefix page no running request holds."""
         async def handler(_):
-            prefix = self.engine.engine.prefix
+            prefix = self.engine.engine.cache.prefix
             return JSONResponse({"flushed_pages": await self.engine.between_steps(prefix.flush) if prefix else 0})
 
         return await self._handle("flush_cache", request, None, handler)

@@ -15,8 +15,8 @@ import torch
 from sala.checkpoint import load_model
 from sala.config import SALAConfig
 from sala.engine import AsyncEngine, CacheFull, Engine, InvalidParam, QueueFull, SamplingParams
-from sala.engine.cache import CachePool, plan_memory
-from sala.engine.engine import cuda_cache_budget
+from sala.engine.cache import CachePool
+from sala.engine.memory import cuda_cache_budget, plan_memory
 from sala.kv import KVPlan
 from sala.sampling import filtered_probs
 from sala.tiny import heldout_texts

@@ -13,9 +13,10 @@ import torch
 from sala.checkpoint import load_model
 from sala.checkpoint_files import write_manifest
 from sala.config import SALAConfig
-from sala.context import StepContext
 from sala.engine import Engine, SamplingParams
-from sala.engine.cache import CachePool, plan_memory
+from sala.engine.cache import CachePool
+from sala.engine.context import StepContext
+from sala.engine.memory import plan_memory
 from sala.eval.compare import window_sequences
 from sala.kv import KVPages, KVPlan, KVPlanError, apply_to_model, decode_attention, load_plan, make_codec
 from sala.kv.measure import calibrate_amax, measure_plan, reference_baseline
@@ -179,7 +180,7 @@ def test_bf16_state_step_equals_the_fp32_step_rounded():
         pool = CachePool(config, mem, plan, torch.device("cpu"))
         start = torch.randn(3, *pool.states[1].shape[1:], generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
         pool.states[1][:3] = start  # a bf16-representable state in both pools
-        ctx = StepContext(pool, torch.tensor([7, 9, 3]), torch.zeros(3, dtype=torch.long), num_decode=3,
+        ctx = StepContext(pool, torch.tensor([7, 9, 3]), torch.zeros(3, dtype=torch.long),
                           state_slots=torch.tensor([2, 0, 1]))
         rope = rope_tables(ctx.positions[None], rope_inv_freq(config.head_dim, config.rope_theta))
         with torch.no_grad():

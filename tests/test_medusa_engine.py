@@ -74,7 +74,7 @@ def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sal
             (_, first), (_, second) = a.logprobs[j].top
             assert weights == "bf16" and first == second, f"diverged at token {j} without a tie: {a.logprobs[j].top}"
             ties += 1
-    stats = engine.spec
+    stats = engine.speculation.totals
     print(f"{weights} batch {batch} plan {plan}: {same}/{len(prompts)} identical ({ties} diverge at an exact BF16 tie), "
           f"accept length {stats.accept_length:.2f} over {stats.verify_steps} verify steps")
     assert ties <= 2
@@ -98,13 +98,13 @@ def test_verify_writes_no_pool_and_commit_writes_only_the_accepted_path(base, he
                                                                             ("states", cache.states))}
     sched = engine.scheduler.schedule()
     assert sched.decodes == reqs and not sched.prefills
-    step, logits = engine.runner.run(sched)
-    assert logits.shape[0] == 2 * engine.tree.num_nodes and step.verified == reqs
+    verified = engine.runner.run(sched).verified
+    assert verified.logits.shape[:2] == (2, engine.speculation.tree.num_nodes) and verified.requests == reqs
     for name, d in (("k", cache.k), ("v", cache.v), ("states", cache.states)):
         for i, t in tensors(d).items():  # the last page / slot is scratch: padding and tree rows may write there
             assert torch.equal(t[:-1], before[name][i][:-1]), f"verify wrote {name}[{i}]"
     computed = [r.num_computed for r in reqs]
-    engine._verify(step, logits, step.hidden)
+    engine.speculation.accept(verified, engine.eos_ids)
     written = {int(cache.row(r, p)) for r, c in zip(reqs, computed) for p in range(c, r.num_computed)}
     assert len(written) == sum(r.num_computed - c for r, c in zip(reqs, computed))
     for i, t in tensors(cache.k).items():
@@ -143,7 +143,7 @@ def test_sampling_with_typical_acceptance_is_seeded_and_mixes_with_greedy(base, 
 
 
 def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sala_dir):
-    """On CPU a greedy batch's whole speculative step runs compiled (runner.CompiledGreedySpeculation:
+    """On CPU a greedy batch's whole speculative step runs compiled (speculation.CompiledGreedySpeculation:
     verify, acceptance, commit and drafting in one graph for a single request's tree, one for
     several); its output is plain greedy's, at one and two requests a step, and the graphs really ran."""
     from transformers import AutoTokenizer
@@ -153,22 +153,22 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     plain = Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False).generate(prompts[:6], params)
     engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads), medusa_max_batch="auto")
     engine.warmup()
-    fast = engine.runner.fast_greedy
+    fast = engine.speculation.fast_greedy
     assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
     assert engine.runner.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
-    timed = engine.speculation.step_ms  # batch -> (plain, greedy verify, sampled verify) ms, measured by warmup
+    timed = engine.speculation.policy.step_ms  # batch -> (plain, greedy verify, sampled verify) ms, measured by warmup
     print(engine.speculation.describe(2))
     assert set(timed) == {1, 2} and all(len(ms) == 3 and all(0 < t < 1e3 for t in ms) for ms in timed.values())
-    assert engine.spec.verify_steps == 0 and engine.num_generated_tokens == 0  # warmup's steps are not traffic
-    engine.speculation.max_batch = None  # always verify, to check both verify graphs
+    assert engine.speculation.totals.verify_steps == 0 and engine.num_generated_tokens == 0  # warmup's steps are not traffic
+    engine.speculation.policy.max_batch = None  # always verify, to check both verify graphs
     calls = []
     fast.fn = (lambda fn: lambda *a: calls.append(a[2].shape[0]) or fn(*a))(fast.fn)  # a[2]: the tree tokens [R, T]
     single = engine.generate(prompts[:1], params)
     pair = engine.generate(prompts[1:6], params)
     assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]
-    assert {1, 2} <= set(calls) and engine.spec.accept_length > 1.3
+    assert {1, 2} <= set(calls) and engine.speculation.totals.accept_length > 1.3
     # Verifying only single requests: two decoders take the compiled plain step (their drafts go stale), still lossless.
-    engine.speculation.max_batch, calls[:] = 1, []
+    engine.speculation.policy.max_batch, calls[:] = 1, []
     decoded = []
     engine.runner.fast_decode.fn = (lambda fn: lambda *a: decoded.append(a[0].shape[0]) or fn(*a))(engine.runner.fast_decode.fn)
     assert [c.token_ids for c in engine.generate(prompts[1:6], params)] == [c.token_ids for c in plain[1:]]
@@ -192,7 +192,7 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
     kinds = {(len(s.decodes), s.speculative) for s in steps if s.decodes}
     assert {(1, True), (2, False), (4, False)} <= kinds and all(spec == (n == 1) for n, spec in kinds), kinds
-    assert engine.spec.verify_steps == sum(len(s.decodes) for s in steps if s.speculative)
+    assert engine.speculation.totals.verify_steps == sum(len(s.decodes) for s in steps if s.speculative)
     assert out[3].spec.verify_steps > 0 and out[0].spec.verify_steps == 0
     # What a replica's /metrics reports of it.
     from prometheus_client import CollectorRegistry, generate_latest
@@ -203,29 +203,36 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine))
     value = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
-    assert value["sala_spec_max_batch"] == 1 and value["sala_spec_verify_steps_total"] == engine.spec.verify_steps
-    assert value["sala_spec_accepted_tokens_total"] == engine.spec.accepted_tokens
+    totals = engine.speculation.totals
+    assert value["sala_spec_max_batch"] == 1 and value["sala_spec_verify_steps_total"] == totals.verify_steps
+    assert value["sala_spec_accepted_tokens_total"] == totals.accepted_tokens
 
 
 def test_auto_speculation_verifies_where_accepted_tokens_pay_for_the_step():
     """medusa_max_batch='auto' against the rule worked by hand: verify at n requests when
     accept_length x plain(n) >= verify(n), times linear between the batch sizes timed."""
     from sala.engine.request import SpecStats
-    from sala.engine.speculation import SpeculationPolicy, parse_max_batch
+    from sala.engine.speculation import SpeculationPolicy, parse_max_batch, running_accept_length
 
     stats = SpecStats()
-    policy = SpeculationPolicy("auto", stats, prior_accept_length=1.8)
-    assert policy(64)  # not timed yet: verify
+    policy = SpeculationPolicy("auto")
+    def length():  # the engine's: the measured mean once enough verify steps ran, the heads' prior before
+        return running_accept_length(stats, 1.8)
+
+    assert policy(64, length())  # not timed yet: verify
     policy.step_ms = {1: (2.0, 3.0, 4.0), 4: (3.0, 9.0, 12.0), 16: (6.0, 40.0, 50.0)}
     # n = 2: plain 2 + 1/3, verify 3 + 2 = 5; 1.8 x 2.33 = 4.2 < 5. Sampled, n = 1: 3.6 < 4.
-    assert [policy(n) for n in (1, 2, 4, 16, 64)] == [True, False, False, False, False]
-    assert not policy(1, greedy=False)
+    assert [policy(n, length()) for n in (1, 2, 4, 16, 64)] == [True, False, False, False, False]
+    assert not policy(1, length(), greedy=False)
+    stats.verify_steps, stats.accepted_tokens = 31, 62
+    assert length() == 1.8  # 31 steps: still the prior
     stats.verify_steps, stats.accepted_tokens = 32, 64  # measured accept length 3.0 replaces the prior
     # n = 2: 3 x 2.33 = 7 >= 5; n = 4: 9 >= 9; n = 5: plain 3.25, verify 11.6 > 9.75.
-    assert [policy(n) for n in (2, 4, 5)] == [True, True, False] and policy.largest_batch(16) == 4
+    assert [policy(n, length()) for n in (2, 4, 5)] == [True, True, False] and policy.largest_batch(16, length()) == 4
     # Sampled: n = 2: verify 4 + 8/3 = 6.67 <= 7; n = 3: plain 2.67, verify 9.33 > 8.
-    assert policy(2, greedy=False) and not policy(3, greedy=False) and policy.largest_batch(16, greedy=False) == 2
-    assert SpeculationPolicy(2, stats)(2) and not SpeculationPolicy(2, stats)(3) and SpeculationPolicy(None, stats)(10**6)
+    assert policy(2, length(), greedy=False) and not policy(3, length(), greedy=False)
+    assert policy.largest_batch(16, length(), greedy=False) == 2
+    assert SpeculationPolicy(2)(2, None) and not SpeculationPolicy(2)(3, None) and SpeculationPolicy(None)(10**6, None)
     assert parse_max_batch("8") == 8 and parse_max_batch("auto") == "auto"
     for bad in (-1, "many", 1.5, True):
         with pytest.raises(ValueError, match="medusa_max_batch"):

@@ -81,7 +81,7 @@ def generate_checking_pages(eng, prompts, params):
 
 def assert_nothing_held(eng):
     """Every trie node is held by no request, and free + cached pages are the whole pool."""
-    p, nodes, stack = eng.prefix, [], [eng.prefix.root]
+    p, nodes, stack = eng.cache.prefix, [], [eng.cache.prefix.root]
     while stack:
         n = stack.pop()
         nodes += [n] if n is not p.root else []
@@ -104,7 +104,7 @@ def test_shared_prefix_outputs_equal_no_reuse(setup, doc_len):
     got = run_one_by_one(eng, prompts)
     assert [c.num_cached_tokens for c in got] == [0] + [2 * INTERVAL] * 3
     assert_same(got, want)
-    assert eng.prefix.num_hit_tokens == 3 * 2 * INTERVAL and eng.prefix.num_queried_tokens == sum(map(len, prompts))
+    assert eng.cache.prefix.num_hit_tokens == 3 * 2 * INTERVAL and eng.cache.prefix.num_queried_tokens == sum(map(len, prompts))
     assert_nothing_held(eng)
 
 
@@ -151,11 +151,11 @@ def test_eviction_under_pressure_never_changes_an_output(setup):
     want = run_one_by_one(engine(setup, prefix_cache=False), prompts)
     eng = engine(setup, max_seqs=2, max_model_len=256, memory_bytes=40 * PAGE * 1536 + 2 * 81920,
                  prefix_snapshot_bytes=2 * 81920)
-    assert eng.cache.plan.num_pages == 40 and eng.prefix.max_snapshots == 2
+    assert eng.cache.plan.num_pages == 40 and eng.cache.prefix.max_snapshots == 2
     got = [generate_checking_pages(eng, [p], PARAMS)[0] for p in prompts]
-    print(f"evicted {eng.prefix.num_evicted_pages} pages, {eng.prefix.num_evicted_snapshots} snapshots; "
+    print(f"evicted {eng.cache.prefix.num_evicted_pages} pages, {eng.cache.prefix.num_evicted_snapshots} snapshots; "
           f"cached tokens {[c.num_cached_tokens for c in got]}")
-    assert eng.prefix.num_evicted_pages > 0 and eng.prefix.num_evicted_snapshots > 0
+    assert eng.cache.prefix.num_evicted_pages > 0 and eng.cache.prefix.num_evicted_snapshots > 0
     assert any(c.num_cached_tokens for c in got)
     assert_same(got, want)
     assert_nothing_held(eng)
@@ -183,7 +183,7 @@ def test_eviction_never_takes_a_page_a_running_request_holds(setup):
         eng.step()
     last = b.prefix_chain[-1]
     assert b.num_cached_tokens == 64 and len(b.prefix_chain) == 6 and last.refs == 1 and last.is_leaf
-    assert any(n is last for _, _, n in eng.prefix.evictable), "D's last page should still have its old place"
+    assert any(n is last for _, _, n in eng.cache.prefix.evictable), "D's last page should still have its old place"
     c = eng.add_request(c_prompt, params)
     while eng.has_work():
         eng.step()
@@ -191,7 +191,7 @@ def test_eviction_never_takes_a_page_a_running_request_holds(setup):
         for r in eng.scheduler.running:
             assert all(n.parent is not None and n.page not in free for n in r.prefix_chain), "a held page was evicted"
             assert not free & set(r.pages)
-    assert eng.prefix.num_evicted_pages > 0, "C should have needed E's cached pages"
+    assert eng.cache.prefix.num_evicted_pages > 0, "C should have needed E's cached pages"
     assert_same([b.completion(), c.completion()], want)
     assert_nothing_held(eng)
 

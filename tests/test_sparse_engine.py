@@ -8,7 +8,7 @@ import torch
 from sala.checkpoint import load_model
 from sala.config import SALAConfig
 from sala.engine import Engine, SamplingParams
-from sala.engine.cache import plan_memory
+from sala.engine.memory import plan_memory
 from sala.kv import default_plan
 from sala.model import SALAForCausalLM
 from sala.sampling import InvalidParam

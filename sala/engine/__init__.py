@@ -1,9 +1,11 @@
 """The serving engine: continuous batching over a paged K/V pool and a lightning state pool.
 
 What servers and jobs use is exported here; the modules behind it may move."""
-from sala.engine.cache import CacheFull, CachePool
+from sala.engine.async_engine import AsyncEngine, RequestStream
+from sala.engine.cache import CachePool
 from sala.engine.detokenizer import TokenBytes
-from sala.engine.engine import AsyncEngine, Engine, RequestStream
+from sala.engine.engine import Engine
+from sala.engine.memory import CacheFull
 from sala.engine.request import Completion, RequestOutput, SpecStats
 from sala.engine.scheduler import QueueFull
 from sala.engine.speculation import SpeculationSettingError, parse_max_batch

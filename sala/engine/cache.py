@@ -2,9 +2,9 @@
 
 Sparse layers keep K and V for every past token, in one tensor per layer
 [num_pages + 1, page_size, kv_heads, head_dim] handed out a page at a time as a sequence grows;
-a request owns a list of pages (its page table). Each layer stores its pages in the format the
-KV plan gives it (sala/kv: bf16, fp8, nvfp4; with no plan, the model's dtype), quantized on
-write and dequantized on read by the layer's `KVPages`.
+a request owns a list of pages. Each layer stores its pages in the format the KV plan gives it
+(sala/kv: bf16, fp8, nvfp4; with no plan, the model's dtype), quantized on write and
+dequantized on read by the layer's `KVPages`.
 
 Lightning layers keep one state [heads, d_k, d_v] per request per layer (fp32, or bf16 where
 the plan says so), whatever the sequence length, in [max_seqs + 1, heads, d_k, d_v] tensors; a
@@ -20,102 +20,26 @@ The last page and the last state slot are scratch: padding rows of a step (added
 batch up) write there, so every row of a step is a valid write and a captured CUDA graph
 needs no branches.
 
-`plan_memory` sizes both pools from a byte budget: the state pool first takes what
-`max_seqs` sequences need (for the 9B model 48 MiB a sequence, so at short contexts states,
-not K/V, bound concurrency), after keeping room for one request of `max_model_len` tokens.
+This pool is the one owner of pages and slots, as nano-vllm's block manager is: the free lists
+change only here, and the prefix cache (sala/engine/prefix.py) lives inside it, handing back
+the pages it evicts rather than writing the free list. A request's page list is the one record
+of its pages; the tensors a step needs are made from it.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from sala import sparse
+from sala.engine.memory import MemoryPlan
+from sala.engine.prefix import Hit, PrefixCache
 from sala.engine.request import Request
 from sala.kv import KVPages, KVPlan
 
 
-class CacheFull(RuntimeError):
-    """A budget that cannot hold one request of full length, or a request larger than the cache."""
-
-
-def kv_bytes_per_token(config, kv_plan: KVPlan) -> int:
-    """K and V of one token across all sparse layers, in each layer's format."""
-    return sum(kv_plan.kv_bytes_per_token(config).values())
-
-
-def compressed_bytes_per_page(config, max_model_len: int, page_size: int) -> int:
-    """InfLLM-v2 compressed keys of one page across all sparse layers (0 when no request of
-    max_model_len tokens reaches dense_len, so none are kept)."""
-    if not sparse.sparse_reachable(config, max_model_len):
-        return 0
-    windows = sum(page_size // stride for _, stride in sparse.SparseSettings.of(config).levels)
-    return len(config.sparse_layers) * windows * config.num_key_value_heads * config.head_dim * 4
-
-
-def state_bytes_per_seq(config, kv_plan: KVPlan | None = None) -> int:
-    """The recurrent states of one sequence across all lightning layers (fp32 without a plan)."""
-    if kv_plan is None:
-        return len(config.lightning_layers) * config.lightning_nh * config.lightning_head_dim**2 * 4
-    return sum(kv_plan.state_bytes_per_seq(config).values())
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    budget_bytes: int
-    page_size: int
-    num_pages: int
-    max_seqs: int
-    kv_bytes_per_token: int
-    state_bytes_per_seq: int
-    max_model_len: int
-    compressed_bytes_per_page: int = 0
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_size * self.kv_bytes_per_token + self.compressed_bytes_per_page
-
-    def request_bytes(self, n_tokens: int) -> int:
-        """What one request of n_tokens holds: pages of K/V (sparse layers only) and the constant state."""
-        return -(-n_tokens // self.page_size) * self.page_bytes + self.state_bytes_per_seq
-
-    @property
-    def max_kv_tokens(self) -> int:
-        return self.num_pages * self.page_size
-
-    def describe(self) -> str:
-        return (f"cache budget {self.budget_bytes / 2**20:.0f} MiB: {self.max_kv_tokens} K/V tokens "
-                f"({self.kv_bytes_per_token} B a token) in {self.num_pages} pages of {self.page_size}, "
-                f"states for {self.max_seqs} sequences ({self.state_bytes_per_seq / 2**20:.2f} MiB each)")
-
-
-def full_request_kv_bytes(config, max_model_len: int, page_size: int, kv_plan: KVPlan) -> int:
-    """K/V pages (and compressed keys) of one request of max_model_len tokens: the least a cache must hold."""
-    return -(-max_model_len // page_size) * (page_size * kv_bytes_per_token(config, kv_plan)
-                                             + compressed_bytes_per_page(config, max_model_len, page_size))
-
-
-def plan_memory(config, budget_bytes: int, max_seqs: int, max_model_len: int, page_size: int,
-                kv_plan: KVPlan) -> MemoryPlan:
-    kv_token, state = kv_bytes_per_token(config, kv_plan), state_bytes_per_seq(config, kv_plan)
-    compressed = compressed_bytes_per_page(config, max_model_len, page_size)
-    k2_stride = sparse.SparseSettings.of(config).levels[1][1]
-    if compressed and page_size % k2_stride:
-        raise ValueError(f"page_size={page_size} must be a multiple of {k2_stride} (4 x sparse_config.kernel_stride) "
-                         f"when requests can reach sparse_config.dense_len: compressed keys are stored by page")
-    page = page_size * kv_token + compressed
-    one_full = full_request_kv_bytes(config, max_model_len, page_size, kv_plan)
-    if budget_bytes < one_full + state:
-        raise CacheFull(f"a cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one request of max_model_len="
-                        f"{max_model_len} tokens ({(one_full + state) / 2**20:.1f} MiB of K/V and state): raise the "
-                        f"budget (memory_bytes / gpu_memory_utilization) or lower max_model_len")
-    seqs = int(min(max_seqs, (budget_bytes - one_full) // state)) if state else max_seqs
-    pages = int((budget_bytes - seqs * state) // max(page, 1))
-    return MemoryPlan(budget_bytes, page_size, pages, seqs, kv_token, state, max_model_len, compressed)
-
-
 class CachePool:
-    def __init__(self, config, plan: MemoryPlan, kv_plan: KVPlan, device: torch.device):
+    def __init__(self, config, plan: MemoryPlan, kv_plan: KVPlan, device: torch.device,
+                 prefix: tuple[int, int, bool] | None = None):
+        """`prefix`: (snapshot interval, snapshot bytes, exact) for a prefix cache, or None."""
         self.plan, self.kv_plan, self.page_size, self.device = plan, kv_plan, plan.page_size, device
         n_kv, d = config.num_key_value_heads, config.head_dim
 
@@ -127,7 +51,6 @@ class CachePool:
         h, dl = config.lightning_nh, config.lightning_head_dim
         self.states = {i: torch.zeros(plan.max_seqs + 1, h, dl, dl, dtype=kv_plan.state_dtype(i), device=device)
                        for i in config.lightning_layers}
-        self.compressed = plan.compressed_bytes_per_page > 0
         k1_stride, k2_stride = (st for _, st in sparse.SparseSettings.of(config).levels)
         rows = (plan.num_pages + 1) * plan.page_size
         self.k1 = {i: torch.zeros(rows // k1_stride, n_kv, d, device=device) for i in config.sparse_layers if self.compressed}
@@ -135,11 +58,19 @@ class CachePool:
         self.scratch_page, self.scratch_slot = plan.num_pages, plan.max_seqs
         self.free_pages = list(range(plan.num_pages - 1, -1, -1))
         self.free_state_slots = list(range(plan.max_seqs - 1, -1, -1))
-        self.prefix = None  # a PrefixCache (sala/engine/prefix.py): pages it caches count as free, taken back on demand
+        self.prefix = PrefixCache(plan.page_size, self.states, device, *prefix) if prefix else None
+
+    @property
+    def compressed(self) -> bool:
+        return self.plan.compressed_bytes_per_page > 0
 
     @property
     def max_tokens(self) -> int:
         return self.plan.max_kv_tokens
+
+    @property
+    def scratch_row(self) -> int:
+        return self.scratch_page * self.page_size
 
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
@@ -149,14 +80,28 @@ class CachePool:
         """Free pages plus cached ones no request holds (the prefix cache gives those back when asked)."""
         return len(self.free_pages) + (self.prefix.num_evictable if self.prefix else 0)
 
-    def can_admit(self, n_tokens: int) -> bool:
-        return bool(self.free_state_slots) and self.num_free_pages >= self.pages_for(n_tokens)
+    # ---------------------------------------------------------------- admission and growth
+    def match(self, req: Request) -> Hit | None:
+        """Where req can resume from the prefix cache, if anywhere."""
+        return self.prefix.match(req) if self.prefix else None
 
-    def admit(self, req: Request) -> None:
-        """A state slot, zeroed so that a prompt starts from the empty state."""
+    def can_admit(self, n_tokens: int, hit: Hit | None = None) -> bool:
+        """A state slot and pages for req's first n_tokens, resumed at `hit`: its shared pages
+        are no longer free to take, nor is the tail it copies from."""
+        if not self.free_state_slots:
+            return False
+        if hit is None:
+            return self.num_free_pages >= self.pages_for(n_tokens)
+        return self.num_free_pages - hit.pages_held_back >= self.pages_for(n_tokens) - len(hit.nodes)
+
+    def admit(self, req: Request, hit: Hit | None = None) -> None:
+        """A state slot: zeroed so that a prompt starts from the empty state, or, resumed at a
+        prefix hit, the shared pages and the snapshot's states."""
         req.state_slot = self.free_state_slots.pop()
         for s in self.states.values():
             s[req.state_slot].zero_()
+        if self.prefix:
+            self.prefix.admit(req, hit, self)
 
     def grow(self, req: Request, n_tokens: int) -> bool:
         """Pages for positions 0 .. n_tokens - 1; False (and nothing taken) if too few are free."""
@@ -164,11 +109,18 @@ class CachePool:
         if need > self.num_free_pages:
             return False
         if need > len(self.free_pages):
-            self.prefix.evict(need - len(self.free_pages))
-        if need > 0:
-            req.pages += [self.free_pages.pop() for _ in range(need)]
-            req.page_table = torch.tensor(req.pages, device=self.device)
+            self.free_pages += self.prefix.evict(need - len(self.free_pages))
+        req.pages += [self.free_pages.pop() for _ in range(max(need, 0))]
         return True
+
+    def take_page(self) -> int | None:
+        """One free page (evicting a cached one if need be), or None."""
+        if not self.free_pages and self.prefix and self.prefix.num_evictable:
+            self.free_pages += self.prefix.evict(1)
+        return self.free_pages.pop() if self.free_pages else None
+
+    def give_back(self, pages: list[int]) -> None:
+        self.free_pages.extend(pages)
 
     def free(self, req: Request) -> None:
         if self.prefix:
@@ -176,8 +128,22 @@ class CachePool:
         self.free_pages.extend(reversed(req.pages))
         if req.state_slot >= 0:
             self.free_state_slots.append(req.state_slot)
-        req.pages, req.page_table, req.state_slot = [], None, -1
+        req.pages, req.state_slot = [], -1
 
+    def after_step(self, reqs: list[Request]) -> None:
+        """The step advanced `reqs` (before any is finished): the prefix cache takes in their new pages."""
+        if self.prefix:
+            self.prefix.after_step(reqs, self)
+
+    def flush_prefix(self) -> int:
+        """Evict every cached page no request holds (SGLang's /flush_cache); how many went."""
+        if not self.prefix:
+            return 0
+        pages = self.prefix.evict(self.prefix.num_evictable)
+        self.free_pages += pages
+        return len(pages)
+
+    # ---------------------------------------------------------------- what a step reads
     def copy_page(self, src: int, dst: int) -> None:
         """Page dst's K/V := page src's, in every sparse layer (a prefix tail copied for a new request)."""
         for pages in (*self.k.values(), *self.v.values()):
@@ -187,12 +153,10 @@ class CachePool:
 
     def rows(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Pool rows (page * page_size + offset) of positions start .. end - 1."""
+        first = start // self.page_size
+        pages = torch.tensor(req.pages[first : self.pages_for(end)], device=self.device)
         pos = torch.arange(start, end, device=self.device)
-        return req.page_table[pos // self.page_size] * self.page_size + pos % self.page_size
+        return pages[pos // self.page_size - first] * self.page_size + pos % self.page_size
 
     def row(self, req: Request, pos: int) -> int:
         return req.pages[pos // self.page_size] * self.page_size + pos % self.page_size
-
-    @property
-    def scratch_row(self) -> int:
-        return self.scratch_page * self.page_size

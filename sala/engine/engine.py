@@ -1,49 +1,41 @@
 """The engine: requests in, tokens out, one `step` at a time.
 
 `Engine` is synchronous and single-threaded: `add_request`, then call `step()` until
-`has_work()` is false (or use `generate` for a list of prompts). Each step schedules a batch,
-runs it through the model, samples one token for every request that reached the end of its
-prompt, and hands each request a RequestOutput through its callback.
+`has_work()` is false (or use `generate` for a list of prompts). A step is: the scheduler picks
+a batch (sala/engine/scheduler.py), the runner runs it through the model (sala/engine/runner.py)
+and says which logits are for what (StepOutput), then the requests it advanced accept their
+verified drafts (Medusa) or sample one token, and each gets a RequestOutput through its
+callback. `AsyncEngine` (sala/engine/async_engine.py) runs that loop in a thread for servers.
 
-With Medusa heads (`medusa=`, or a checkpoint holding `medusa/`), every decode is a tree
-verify: one forward over each request's draft tree, the longest acceptable path kept
-(sala/medusa/accept.py: greedy is lossless, sampling uses typical acceptance), its K/V and
-lightning state committed, the bonus token sampled from its last node, and the heads' top-k
-at that node drafting the next tree.
-
-`AsyncEngine` runs that loop in a background thread for servers: `generate` is an async
-iterator of RequestOutputs, and leaving it early (a client that disconnects) cancels the
-request, which frees its cache at the start of the next step.
+Who owns what: the cache pool owns pages, state slots and the prefix cache
+(sala/engine/cache.py), how much memory it gets is sala/engine/memory.py, and an engine with
+Medusa heads holds a Speculation (sala/engine/speculation.py) that the scheduler, the runner and
+the step all consult; without heads there is none.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import os
 import random
-import threading
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import torch
 
 from kernels.target import require_supported
 from sala import lightning
-from sala.engine.cache import CacheFull, CachePool, full_request_kv_bytes, kv_bytes_per_token, plan_memory, state_bytes_per_seq
+from sala.engine.cache import CachePool
 from sala.engine.detokenizer import IncrementalDetokenizer
-from sala.engine.prefix import PrefixCache
-from sala.engine.request import Completion, Request, RequestOutput, SpecStats
-from sala.engine.runner import ModelRunner
-from sala.engine.scheduler import Scheduler
-from sala.engine.speculation import SpeculationPolicy, parse_max_batch
-from sala.engine.stats import EngineInfo, EngineStats, LayerBytes, PrefixStats, SpeculationStats
+from sala.engine.memory import default_budget, plan_memory
+from sala.engine.request import Completion, Request, RequestOutput
+from sala.engine.runner import ModelRunner, StepOutput
+from sala.engine.scheduler import Schedule, Scheduler
+from sala.engine.speculation import Speculation
+from sala.engine.stats import EngineInfo, EngineStats, LayerBytes, PrefixStats
 from sala.kv import PLAN_FILE, default_plan, load_plan
-from sala.medusa import accept as medusa_accept  # a module: sala.medusa.accept imports the engine's sampling
-from sala.medusa.tree import expected_accept_length
 from sala.sampling import InvalidParam, SamplingParams, TokenLogprob, sample, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -127,48 +119,33 @@ class Engine:
                              f"(the page size {page_size} and the lightning chunk {lightning.CHUNK_SIZE})")
         # Checked against the model before anything is allocated: a bad plan fails at start-up.
         self.kv_plan = default_plan(config, param.dtype) if kv_plan is None else load_plan(kv_plan, config)
-        default_budget = memory_bytes is None
-        if default_budget:
-            memory_bytes = _default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len, page_size,
-                                           self.kv_plan)
+        budget_given = memory_bytes is not None
+        if not budget_given:
+            memory_bytes = default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len,
+                                          page_size, self.kv_plan)
         if prefix_cache and prefix_snapshot_bytes is None:
             prefix_snapshot_bytes = memory_bytes // 8
-            if default_budget and cuda:
+            if not budget_given and cuda:
                 memory_bytes -= prefix_snapshot_bytes
         plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, self.kv_plan)
         log.info("%s; %s", plan.describe(), self.kv_plan.describe())
-        self.cache = CachePool(config, plan, self.kv_plan, self.device)
-        self.prefix = PrefixCache(self.cache, config, prefix_snapshot_interval, prefix_snapshot_bytes, exact=batch_invariant) \
-            if prefix_cache else None
-        granule = lightning.CHUNK_SIZE if batch_invariant else 1
+        self.cache = CachePool(config, plan, self.kv_plan, self.device,
+                               (prefix_snapshot_interval, prefix_snapshot_bytes, batch_invariant) if prefix_cache else None)
         if medusa is not None and self.cache.compressed:
             raise ValueError(f"Medusa tree verify does not run InfLLM-v2's sparse path yet: with Medusa, max_model_len "
                              f"({self.max_model_len}) must stay at or below sparse_config.dense_len "
                              f"({config.sparse_config['dense_len']})")
         if medusa is None and medusa_max_batch is not None:
             raise ValueError(f"medusa_max_batch={medusa_max_batch!r} was given but Medusa is off (no heads)")
-        max_spec_batch = parse_max_batch(medusa_max_batch)
-        self.medusa, self.tree = medusa, None
-        decode_tokens = 1
-        if medusa is not None:
-            self.medusa = medusa.to(device=self.device, dtype=param.dtype if param.is_floating_point() else torch.float32)
-            self.tree = medusa.tree.to(self.device)
-            self.typical = (medusa_accept.TYPICAL_THRESHOLD if typical_threshold is None else typical_threshold,
-                            medusa_accept.TYPICAL_ALPHA if typical_alpha is None else typical_alpha)
-            decode_tokens = self.tree.num_nodes
+        self.speculation = None if medusa is None else Speculation(medusa, model, self.cache, medusa_max_batch,
+                                                                   typical_threshold, typical_alpha, compile)
+        granule = lightning.CHUNK_SIZE if batch_invariant else 1
+        tree_rows = self.speculation.tree.num_nodes if self.speculation else 1
         max_batch_tokens = max_batch_tokens or max(MAX_BATCH_TOKENS[kind], plan.max_seqs + granule,
-                                                   min(plan.max_seqs, 16) * decode_tokens + granule)
-        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule, self.prefix,
-                                   exact_recompute=batch_invariant)
-        self.spec = SpecStats() if medusa is not None else None  # totals over all requests
-        self.speculation = None
-        if self.tree is not None:
-            self.scheduler.decode_tokens, self.scheduler.lookahead = decode_tokens, self.tree.max_depth
-            accuracy = medusa.config.rank_accuracy
-            self.speculation = SpeculationPolicy(
-                max_spec_batch, self.spec, expected_accept_length(torch.tensor(accuracy), self.tree) if accuracy else None)
-            self.scheduler.speculate = self.speculation
-        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.tree, self.medusa)
+                                                   min(plan.max_seqs, 16) * tree_rows + granule)
+        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule,
+                                   exact_recompute=batch_invariant, speculation=self.speculation)
+        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.speculation)
         self.eos_ids = stop_token_ids(model, tokenizer)
         # Running totals for monitoring: tokens generated and finishes by the step thread, prompt tokens on add.
         self.num_prompt_tokens = 0
@@ -229,24 +206,22 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counters and queues now (on the step thread; AsyncEngine.stats from an event loop)."""
-        prefix = spec = None
-        if p := self.prefix:
+        prefix = None
+        if p := self.cache.prefix:
             prefix = PrefixStats(p.num_queried_tokens, p.num_hit_tokens, p.num_evictable, p.num_evicted_pages,
                                  p.num_snapshots * p.snapshot_bytes, p.max_snapshots * p.snapshot_bytes)
-        if self.spec is not None:
-            spec = SpeculationStats(self.spec.verify_steps, self.spec.draft_tokens, self.spec.accepted_tokens,
-                                    self.spec.accept_length, self.speculation.largest_batch(self.cache.plan.max_seqs))
+        spec = self.speculation.stats(self.cache.plan.max_seqs) if self.speculation else None
         return EngineStats(self.scheduler.num_waiting, len(self.scheduler.running), len(self.cache.free_pages),
                            self.num_prompt_tokens, self.num_generated_tokens, self.num_preemptions,
                            {r: self.num_finished[r] for r in FINISH_REASONS}, prefix, spec)
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix page no request holds (SGLang's /flush_cache); how many went."""
-        return self.prefix.flush() if self.prefix else 0
+        return self.cache.flush_prefix()
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` a request could take from the prefix cache now."""
-        return self.prefix.resumable_len(tokens) if self.prefix else 0
+        return self.cache.prefix.resumable_len(tokens) if self.cache.prefix else 0
 
     def warmup(self) -> None:
         """Compile (CPU) or capture (CUDA) the decode step now, not on the first request, and with
@@ -254,61 +229,23 @@ class Engine:
         start-up. The requests it runs are not counted in the engine's totals."""
         prompt = [self.config.bos_token_id or 0]
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-        policy = self.speculation
         with self._uncounted():
-            if self.runner.fast_decode is not None:
-                # Medusa: verify steps of one request and of several are two graphs (see CompiledTreeVerify),
-                # and so are the greedy tails after them; sampled and logprobs batches accept eagerly.
-                for n in (1, 2) if self.runner.fast_tree is not None and self.cache.plan.max_seqs > 1 else (1,):
-                    self.generate([prompt] * n, params)
-                if policy is not None and policy.max_batch is not None:  # plain decode steps too
-                    with policy.forcing(False):
-                        self.generate([prompt], params)
-            if policy is not None and policy.max_batch == "auto":
-                policy.step_ms = self._time_steps(prompt)
-                log.info(policy.describe(self.cache.plan.max_seqs))
-
-    def _time_steps(self, prompt: list[int], steps: int = 5) -> dict[int, tuple[float, float, float]]:
-        """Median ms of a pure plain decode step, a greedy verify step and a sampled verify step
-        at batch sizes 1, 2, 4, ... max_seqs (what medusa_max_batch='auto' decides by)."""
-        policy, max_seqs = self.speculation, self.cache.plan.max_seqs
-        sizes = sorted({min(2**i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
-        # Each request must outlive the timed steps: a verify step may take max_depth + 1 tokens.
-        max_tokens = min(2 * steps * (self.tree.max_depth + 1) + 8, self.cache.max_tokens - 1)
-        table = {}
-        for n in sizes:
-            times = []
-            for temperature, kinds in ((0, (False, True)), (1, (True,))):
-                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
-                reqs = [self.add_request(prompt, params) for _ in range(n)]
-                for verify in kinds:
-                    ms = []
-                    with policy.forcing(verify):
-                        while len(ms) < steps and self.has_work():
-                            pure = not self.scheduler.waiting and all(not r.prefilling for r in self.scheduler.running)
-                            t0 = time.perf_counter()
-                            self.step()
-                            if pure and len(self.scheduler.running) == n:
-                                ms.append(1e3 * (time.perf_counter() - t0))
-                    times.append(sorted(ms)[len(ms) // 2] if ms else math.inf)
-                for r in reqs:
-                    self.cancel(r)
-                while self.has_work():
-                    self.step()
-            table[n] = tuple(times)
-        return table
+            if self.speculation:
+                self.speculation.warmup(self, prompt, params)
+            elif self.runner.fast_decode is not None:
+                self.generate([prompt], params)
 
     @contextmanager
     def _uncounted(self):
         """Leave the engine's running totals as they were (warmup's requests are not traffic)."""
-        saved = (self.num_prompt_tokens, self.num_generated_tokens, self.num_finished.copy(),
-                 self.spec.copy() if self.spec else None, self.scheduler.num_preemptions)
+        saved = (self.num_prompt_tokens, self.num_generated_tokens, self.num_finished.copy(), self.scheduler.num_preemptions,
+                 self.speculation.totals.copy() if self.speculation else None)
         try:
             yield
         finally:
-            self.num_prompt_tokens, self.num_generated_tokens, self.num_finished, spec, self.scheduler.num_preemptions = saved
-            if spec is not None:  # in place: the speculation policy holds this object
-                vars(self.spec).update(vars(spec))
+            self.num_prompt_tokens, self.num_generated_tokens, self.num_finished, self.scheduler.num_preemptions = saved[:4]
+            if self.speculation:
+                self.speculation.totals = saved[4]
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -343,13 +280,8 @@ class Engine:
                                              f"({plan.num_pages * plan.page_bytes / 2**20:.1f} MiB of K/V)")
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.no_stop_trim)
         req = Request(ids, params, detokenizer, on_output)
-        if self.medusa is not None:
-            if params.adjusts_logits or params.min_p:  # tree acceptance judges drafts by the raw logits
-                field = next(f for f, off in (("logit_bias", {}), ("min_tokens", 0), ("repetition_penalty", 1),
-                                              ("presence_penalty", 0), ("frequency_penalty", 0), ("min_p", 0))
-                             if getattr(params, f) != off)
-                raise InvalidParam(field, f"{field} is not supported with Medusa decoding; serve without Medusa to use it")
-            req.spec = SpecStats()
+        if self.speculation:
+            self.speculation.admit(req)
         if request_id:
             req.request_id = request_id
         if params.prompt_logprobs_start is not None:
@@ -373,91 +305,53 @@ class Engine:
     def step(self) -> None:
         for r in self.scheduler.pop_cancelled():
             self._emit(r, [], None, "cancelled")
-        sched = self.scheduler.schedule()
-        if not sched.num_tokens:
+        batch = self.scheduler.schedule()
+        if not batch.num_tokens:
             return
-        step, logits = self.runner.run(sched)
-        if not step.verified:
-            for r in sched.decodes:
-                r.num_computed += 1
-        for r, _, end in sched.prefills:
-            r.num_computed = end
-        if self.prefix:  # before a request can finish and give its pages back (_verify enters verified trees')
-            self.prefix.after_step(([] if step.verified else sched.decodes) + [r for r, _, _ in sched.prefills])
-        hidden = step.hidden
-        if step.verified:
-            if step.speculated is not None:  # a pure verify step: no other rows
-                self._verify(step, logits, hidden)
-            else:
-                n_tree = len(step.verified) * self.tree.num_nodes
-                self._verify(step, logits[:n_tree], hidden[:n_tree])
-                logits, hidden = logits[n_tree:], hidden[n_tree:]
-        n = len(step.sampled)
-        if self.medusa is not None and n and hidden is not None:  # a compiled plain step: the drafts stay
-            drafts = self._draft(hidden[:n])
-            for r, d in zip(step.sampled, drafts):
-                r.drafts = d
-        if step.prompt_targets:
-            scored = token_logprobs(logits[n:], [t for _, t in step.prompt_targets],
-                                    [r.params.logprobs or 0 for r, _ in step.prompt_targets])
-            for (r, _), lp in zip(step.prompt_targets, scored):
+        out = self.runner.run(batch)
+        self._advance(batch, out)
+        if out.verified:
+            for r, tokens, logprobs in self.speculation.accept(out.verified, self.eos_ids):
+                for token, lp in zip(tokens, logprobs):
+                    self._append(r, token, lp)
+                    if r.finish_reason:
+                        break
+            # The accepted tokens are in output_ids now; finished requests gave their pages back.
+            self.cache.after_step([r for r in out.verified.requests if not r.finish_reason])
+        if self.speculation and out.sampled and out.hidden is not None:  # None: a compiled plain step; drafts stay
+            self.speculation.draft(out.sampled, out.hidden)
+        if out.prompt_targets:
+            scored = token_logprobs(out.prompt_logits, [t for _, t in out.prompt_targets],
+                                    [r.params.logprobs or 0 for r, _ in out.prompt_targets])
+            for (r, _), lp in zip(out.prompt_targets, scored):
                 r.prompt_logprobs.append(lp)
-        reqs = step.sampled
+        self._sample(out)
+
+    def _advance(self, batch: Schedule, out: StepOutput) -> None:
+        """The step's tokens are in the cache (a verified tree's: those its accept commits)."""
+        advanced = [r for r, _, _ in batch.prefills]
+        for r, _, end in batch.prefills:
+            r.num_computed = end
+        if not out.verified:
+            for r in batch.decodes:
+                r.num_computed += 1
+            advanced += batch.decodes
+        self.cache.after_step(advanced)  # before a request can finish and give its pages back
+
+    def _sample(self, out: StepOutput) -> None:
+        """A token for each request whose row was sampled, with its logprobs when asked for."""
+        reqs, logits = out.sampled, out.logits
         if any(r.num_computed < r.num_tokens for r in reqs):  # decodes recomputing generated tokens: nothing new
             keep = [i for i, r in enumerate(reqs) if r.num_computed == r.num_tokens]
-            reqs, logits, n = [reqs[i] for i in keep], logits[keep], len(keep)
-        tokens = sample(logits[:n], reqs, self.eos_ids)
+            reqs, logits = [reqs[i] for i in keep], logits[keep]
+        if not reqs:
+            return
+        tokens = sample(logits, reqs, self.eos_ids)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         scored = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])
         logprobs = dict(zip(want, scored))
         for i, (r, token) in enumerate(zip(reqs, tokens)):
             self._append(r, token, logprobs.get(i))
-
-    @torch.inference_mode()
-    def _draft(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The next trees' candidates [N, K, topk] from the heads' input rows [N, hidden]."""
-        return self.medusa.draft_tokens(hidden, self.model.lm_head)
-
-    def _verify(self, step, logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Accept, commit and emit the verified trees (logits / hidden: their R * T rows; none when
-        the compiled step already accepted, committed and drafted: step.speculated)."""
-        reqs, t = step.verified, self.tree.num_nodes
-        if step.speculated is not None:
-            emitted, drafts = step.speculated
-        else:
-            logits, hidden = logits.view(len(reqs), t, -1), hidden.view(len(reqs), t, -1)
-            left = torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs], device=self.device)
-            acc = medusa_accept.accept(self.tree, step.tree_tokens, logits, [r.params for r in reqs], left, *self.typical)
-            tree = step.context.tree
-            dest = tree.path_rows(acc.lengths, self.tree.retrieve_indices.shape[1], self.cache.scratch_row)
-            self.model.model.commit_tree(step.context, acc.paths, acc.lengths, dest)
-            rows = torch.arange(len(reqs), device=self.device)
-            last = acc.last_nodes()
-            bonus = torch.tensor(sample(logits[rows, last], reqs, self.eos_ids), device=self.device)
-            drafts = self._draft(hidden[rows, last])
-            emitted = torch.cat([acc.lengths[:, None], step.tree_tokens.gather(1, acc.paths.clamp(min=0)), bonus[:, None]], 1)
-            paths = acc.paths.tolist()
-        for i, (r, row) in enumerate(zip(reqs, emitted.tolist())):  # the step's one read-back
-            n = row[0]
-            r.num_computed += n
-            r.drafts = drafts[i]
-            tokens = row[2 : 1 + n] + [row[-1]]  # the accepted drafts (the root was emitted last step), the bonus
-            for stats in (r.spec, self.spec):
-                stats.verify_steps += 1
-                stats.draft_tokens += t - 1
-                stats.accepted_tokens += n - 1
-                stats.accepted_per_depth += [0] * (self.tree.max_depth - len(stats.accepted_per_depth))
-                for d in range(n - 1):
-                    stats.accepted_per_depth[d] += 1
-            scored = [None] * n
-            if r.params.logprobs is not None:  # token j is scored by the logits of the node before it (eager path only)
-                scored = token_logprobs(logits[i, paths[i][:n]], tokens, [r.params.logprobs] * n)
-            for token, lp in zip(tokens, scored):
-                self._append(r, token, lp)
-                if r.finish_reason:
-                    break
-        if self.prefix:  # the accepted tokens are in output_ids now; finished requests gave their pages back
-            self.prefix.after_step([r for r in reqs if not r.finish_reason])
 
     def _append(self, r: Request, token: int, lp: TokenLogprob | None) -> None:
         r.output_ids.append(token)
@@ -507,142 +401,6 @@ class Engine:
                 reqs.append(self.add_request(*pending.popleft()))
             self.step()
         return [r.completion() for r in reqs]
-
-
-class AsyncEngine:
-    """Engine.step in a background thread. `submit` queues a request at once (so bad input and a
-    full queue raise before any response starts); its RequestStream yields the outputs."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.wakeup = threading.Event()
-        self.stopping = False
-        self.streams: dict[str, RequestStream] = {}
-        self.calls: deque[tuple[Callable, asyncio.Future]] = deque()
-        self.thread = threading.Thread(target=self._loop, name="sala-engine", daemon=True)
-        self.thread.start()
-
-    def between_steps(self, fn: Callable):
-        """Await fn() run on the step thread between two steps, where the cache is not in use."""
-        future = asyncio.get_running_loop().create_future()
-        self.calls.append((fn, future))
-        self.wakeup.set()
-        return future
-
-    def _loop(self) -> None:
-        while not self.stopping:
-            while self.calls:
-                fn, future = self.calls.popleft()
-                try:
-                    result, error = fn(), None
-                except Exception as e:
-                    result, error = None, e
-                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
-            if not self.engine.has_work():
-                self.wakeup.wait()
-                self.wakeup.clear()
-                continue
-            try:
-                self.engine.step()
-            except Exception as e:  # a bug or OOM must not leave every client waiting forever
-                log.exception("engine step failed; failing all requests")
-                for r in self.engine.fail_all():
-                    if stream := self.streams.get(r.request_id):
-                        stream.push(e)
-
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Call from the event loop that will read the stream."""
-        stream = RequestStream(self, asyncio.get_running_loop())
-        stream.request = self.engine.add_request(prompt, params, stream.push, request_id)
-        self.streams[stream.request.request_id] = stream
-        self.wakeup.set()
-        return stream
-
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request by id, as SGLang's /abort_request: its stream still gets the final
-        "cancelled" output, so its client sees the request end. False if no such request runs."""
-        stream = self.streams.get(request_id)
-        if stream is None or stream.finished:
-            return False
-        self.engine.cancel(stream.request)
-        self.wakeup.set()
-        return True
-
-    def stats(self):
-        """Await Engine.stats() taken between two steps."""
-        return self.between_steps(self.engine.stats)
-
-    def close(self) -> None:
-        self.stopping = True
-        self.wakeup.set()
-        self.thread.join(timeout=10)
-
-
-def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
-    if not future.done():  # its awaiter may have gone
-        future.set_exception(error) if error is not None else future.set_result(result)
-
-
-class RequestStream:
-    """One request's outputs, handed from the step thread to an event loop."""
-
-    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop):
-        self.owner, self.loop = owner, loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.request: Request | None = None
-        self.finished = False
-
-    def push(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids)
-
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Outputs until the request finishes; leaving early cancels it and frees its cache."""
-        try:
-            while not self.finished:
-                out = await self.queue.get()
-                if isinstance(out, BaseException):
-                    raise RuntimeError(f"engine failure: {out}") from out
-                self.finished = out.finished
-                yield out
-        finally:
-            self.cancel()
-
-    def cancel(self) -> None:
-        self.owner.streams.pop(self.request.request_id, None)
-        if not self.finished:
-            self.finished = True
-            self.owner.engine.cancel(self.request)
-            self.owner.wakeup.set()
-
-
-def _default_budget(config, device: torch.device, utilization: float, max_seqs: int, max_model_len: int, page_size: int,
-                    kv_plan) -> int:
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return cuda_cache_budget(config, total, free, utilization, max_seqs)
-    states = max_seqs * state_bytes_per_seq(config, kv_plan)
-    want = max(max_seqs * min(max_model_len, 4096) * kv_bytes_per_token(config, kv_plan),
-               full_request_kv_bytes(config, max_model_len, page_size, kv_plan)) + states
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 16 << 30
-    return int(min(want, ram // 4))
-
-
-def cuda_cache_budget(config, total: int, free: int, utilization: float, max_seqs: int) -> int:
-    """Like vLLM's gpu_memory_utilization: that fraction of the whole device, less what is in use
-    (weights, other processes), less room for the largest step's activations and logits."""
-    activations = 2048 * (4 * config.hidden_size + 3 * config.intermediate_size) * 4 + max_seqs * config.vocab_size * 4 * 3
-    budget = int(total * utilization) - (total - free) - activations
-    if budget <= 0:
-        raise CacheFull(f"gpu_memory_utilization={utilization} of {total / 2**30:.1f} GiB leaves no room for the cache: "
-                        f"{(total - free) / 2**30:.1f} GiB are in use")
-    return budget
 
 
 def _dequantize_once(model) -> None:

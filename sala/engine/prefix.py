@@ -30,7 +30,10 @@ and logprobs with reuse equal those without it bitwise (tests/test_prefix.py). E
 are equal as outputs of differently batched steps are, to rounding.
 
 The trie is exact (children are keyed by the token tuples themselves, so no hash collision can
-join two prefixes). Everything here runs on the engine's step thread.
+join two prefixes). It lives inside the cache pool (sala/engine/cache.py), which owns every
+page: what needs a page or the states takes the pool as an argument, and evicting hands pages
+back to the pool instead of writing its free list. Everything here runs on the engine's step
+thread.
 """
 from __future__ import annotations
 
@@ -38,12 +41,24 @@ import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from sala import lightning
-from sala.engine.cache import CachePool, state_bytes_per_seq
 from sala.engine.request import Request
+
+
+class PagePool(Protocol):
+    """What the prefix cache asks of the pool that owns it (sala/engine/cache.py CachePool):
+    pages it may take and hand back, never a free list of its own."""
+
+    states: dict[int, torch.Tensor]  # each lightning layer's state pool [slots, H, Dk, Dv]
+
+    def grow(self, req: Request, n_tokens: int) -> bool: ...
+    def take_page(self) -> int | None: ...
+    def give_back(self, pages: list[int]) -> None: ...
+    def copy_page(self, src: int, dst: int) -> None: ...
 
 
 class Node:
@@ -79,21 +94,28 @@ class Hit:
     def at(self) -> Node:
         return self.tail or self.nodes[-1]
 
+    @property
+    def pages_held_back(self) -> int:
+        """Cached pages counted as free now that resuming here takes: the shared pages no other
+        request holds, and the tail copied from."""
+        return sum(n.refs == 0 for n in self.nodes) + (self.tail is not None)
+
 
 class PrefixCache:
-    def __init__(self, cache: CachePool, config, interval: int, snapshot_bytes: int, exact: bool):
-        """`exact` (the evaluation mode): resume only at multiples of lightning.CHUNK_SIZE."""
-        self.cache, self.page_size, self.interval, self.exact = cache, cache.page_size, interval, exact
+    def __init__(self, page_size: int, states: dict[int, torch.Tensor], device: torch.device, interval: int,
+                 snapshot_bytes: int, exact: bool):
+        """`states`: the pool's state tensors, whose slots a snapshot copies; `snapshot_bytes`:
+        the snapshots' own budget; `exact` (the evaluation mode): resume only at multiples of
+        lightning.CHUNK_SIZE."""
+        self.page_size, self.interval, self.exact = page_size, interval, exact
         self.root = Node((), None, -1, 0)
         self.clock = itertools.count(1)
         self.evictable: list[tuple[int, int, Node]] = []  # heap of (last_used, tie, node): ref-0 leaves, lazily pruned
         self.num_evictable = 0  # nodes no request holds (each one page the pool may take back)
-        self.snapshot_bytes = state_bytes_per_seq(config, cache.kv_plan)
-        n = snapshot_bytes // self.snapshot_bytes if self.snapshot_bytes else 0
-        self.max_snapshots = int(n)
-        h, d = config.lightning_nh, config.lightning_head_dim
-        self.snapshots = {i: torch.zeros(self.max_snapshots, h, d, d, dtype=cache.states[i].dtype, device=cache.device)
-                          for i in config.lightning_layers}
+        self.snapshot_bytes = sum(s[0].numel() * s.element_size() for s in states.values())  # one sequence's states
+        self.max_snapshots = int(snapshot_bytes // self.snapshot_bytes) if self.snapshot_bytes else 0
+        self.snapshots = {i: torch.zeros(self.max_snapshots, *s.shape[1:], dtype=s.dtype, device=device)
+                          for i, s in states.items()}
         self.free_snapshots = list(range(self.max_snapshots - 1, -1, -1))
         self.snapshot_lru: OrderedDict[int, Node] = OrderedDict()  # slot -> node, least recently used first
         # Totals for monitoring (each request counted at its first admission; a preempted one resuming is not).
@@ -101,7 +123,6 @@ class PrefixCache:
         self.num_hit_tokens = 0  # of which were taken from the cache
         self.num_requests = self.num_hits = 0
         self.num_evicted_pages = self.num_evicted_snapshots = 0
-        cache.prefix = self
 
     # ------------------------------------------------------------------ lookup and admission
     def match(self, req: Request) -> Hit | None:
@@ -142,16 +163,9 @@ class PrefixCache:
     def _usable(self, pos: int) -> bool:
         return not self.exact or pos % lightning.CHUNK_SIZE == 0
 
-    def can_admit(self, hit: Hit, n_tokens: int) -> bool:
-        """Room for req resumed at `hit` up to n_tokens: its shared pages are no longer free
-        to take, nor is the tail it copies from."""
-        held = sum(n.refs == 0 for n in hit.nodes) + (hit.tail is not None)
-        need = self.cache.pages_for(n_tokens) - len(hit.nodes)
-        return bool(self.cache.free_state_slots) and self.cache.num_free_pages - held >= need
-
-    def admit(self, req: Request, hit: Hit | None) -> None:
-        """After CachePool.admit: req's table starts with the shared pages, its state slot
-        holds the snapshot, its first `hit.length` tokens count as computed."""
+    def admit(self, req: Request, hit: Hit | None, pool: PagePool) -> None:
+        """Inside CachePool.admit: req's pages start with the shared ones, its state slot holds
+        the snapshot, its first `hit.length` tokens count as computed."""
         if req.num_cached_tokens is None:  # first admission: count it
             req.num_cached_tokens = hit.length if hit else 0
             self.num_requests += 1
@@ -166,36 +180,35 @@ class PrefixCache:
             n.last_used = now
         req.prefix_chain = list(hit.nodes)
         req.pages = [n.page for n in hit.nodes]
-        req.page_table = torch.tensor(req.pages, device=self.cache.device) if req.pages else None
         if hit.tail is not None:
             self._hold(hit.tail)  # so that taking a page for the copy cannot evict it
-            if not self.cache.grow(req, hit.length):
+            if not pool.grow(req, hit.length):
                 raise RuntimeError("no page for a prefix tail although can_admit said there was")
-            self.cache.copy_page(hit.tail.page, req.pages[-1])
+            pool.copy_page(hit.tail.page, req.pages[-1])
             self._release(hit.tail, now)
         at = hit.at
-        for layer, states in self.cache.states.items():
+        for layer, states in pool.states.items():
             states[req.state_slot].copy_(self.snapshots[layer][at.snapshot])
         self.snapshot_lru.move_to_end(at.snapshot)
         req.num_computed = hit.length
 
     # ------------------------------------------------------------------ after each step
-    def after_step(self, reqs: list[Request]) -> None:
+    def after_step(self, reqs: list[Request], pool: PagePool) -> None:
         """For each request the step advanced (before any is finished): enter its newly full
         pages into the trie, and snapshot its states where it reached a snapshot position."""
         for r in reqs:
-            self._register(r)
+            self._register(r, pool)
             pos = r.num_computed
             if pos % self.interval == 0:
-                self._snapshot_page(r, pos)
+                self._snapshot_page(r, pos, pool)
             elif pos == len(r.prompt_ids) and not r.output_ids:  # the end of its prompt, first time
                 if pos % self.page_size == 0:
-                    self._snapshot_page(r, pos)
+                    self._snapshot_page(r, pos, pool)
                 elif self._usable(pos):
-                    self._snapshot_tail(r, pos)
+                    self._snapshot_tail(r, pos, pool)
 
-    def _register(self, r: Request) -> None:
-        ps, chain, swapped = self.page_size, r.prefix_chain, False
+    def _register(self, r: Request, pool: PagePool) -> None:
+        ps, chain = self.page_size, r.prefix_chain
         while len(chain) < r.num_computed // ps:
             i = len(chain)
             parent = chain[-1] if chain else self.root
@@ -209,25 +222,22 @@ class PrefixCache:
                     if self.exact:
                         # Not bitwise the same copy: K/V rounds differently in chunks of other lengths.
                         break
-                    self.cache.free_pages.append(r.pages[i])
+                    pool.give_back([r.pages[i]])
                     r.pages[i] = node.page
-                    swapped = True
                 self._hold(node)
             node.last_used = next(self.clock)
             chain.append(node)
-        if swapped:
-            r.page_table = torch.tensor(r.pages, device=self.cache.device)
 
-    def _snapshot_page(self, r: Request, pos: int) -> None:
+    def _snapshot_page(self, r: Request, pos: int, pool: PagePool) -> None:
         if pos == 0 or len(r.prefix_chain) < pos // self.page_size or not self._usable(pos):
             return
         node = r.prefix_chain[pos // self.page_size - 1]
         if node.snapshot is None:
-            self._take_snapshot(r, node)
+            self._take_snapshot(r, node, pool)
         else:
             self.snapshot_lru.move_to_end(node.snapshot)
 
-    def _snapshot_tail(self, r: Request, pos: int) -> None:
+    def _snapshot_tail(self, r: Request, pos: int, pool: PagePool) -> None:
         full = pos // self.page_size
         if len(r.prefix_chain) < full:
             return
@@ -236,16 +246,17 @@ class PrefixCache:
         if (tail := parent.tails.get(tokens)) is not None:
             self.snapshot_lru.move_to_end(tail.snapshot)
             return
-        if not self.max_snapshots or not self._reclaim(1):
+        page = pool.take_page() if self.max_snapshots else None
+        if page is None:
             return
-        tail = parent.tails[tokens] = Node(tokens, parent, self.cache.free_pages.pop(), pos)
-        self.cache.copy_page(r.pages[full], tail.page)
+        tail = parent.tails[tokens] = Node(tokens, parent, page, pos)
+        pool.copy_page(r.pages[full], tail.page)
         self.num_evictable += 1  # held by no request from the start
         tail.last_used = next(self.clock)
         self._push_if_leaf(tail)
-        self._take_snapshot(r, tail)
+        self._take_snapshot(r, tail, pool)
 
-    def _take_snapshot(self, r: Request, node: Node) -> None:
+    def _take_snapshot(self, r: Request, node: Node, pool: PagePool) -> None:
         if not self.free_snapshots:
             if not self.snapshot_lru:
                 return
@@ -253,10 +264,10 @@ class PrefixCache:
             victim.snapshot = None
             self.num_evicted_snapshots += 1
             if len(victim.tokens) < self.page_size:  # a tail exists only for its snapshot
-                self._remove(victim)
+                pool.give_back([self._remove(victim)])
             self.free_snapshots.append(slot)
         slot = self.free_snapshots.pop()
-        for layer, states in self.cache.states.items():
+        for layer, states in pool.states.items():
             self.snapshots[layer][slot].copy_(states[r.state_slot])
         node.snapshot = slot
         self.snapshot_lru[slot] = node
@@ -264,7 +275,8 @@ class PrefixCache:
     # ------------------------------------------------------------------ references and eviction
     def release(self, req: Request) -> None:
         """req leaves the running set (finished, cancelled or preempted): its shared pages stay
-        cached for later requests; only its private pages go back to the pool (CachePool.free)."""
+        cached for later requests; only its private pages are left in req.pages, for the pool
+        to free (CachePool.free)."""
         now = next(self.clock)
         for n in req.prefix_chain:
             self._release(n, now)
@@ -287,23 +299,10 @@ class PrefixCache:
         if n.refs == 0 and n.is_leaf:
             heapq.heappush(self.evictable, (n.last_used, id(n), n))
 
-    def _reclaim(self, n_pages: int) -> bool:
-        """Make n_pages free, evicting cached pages if need be; False (nothing evicted) if it cannot."""
-        short = n_pages - len(self.cache.free_pages)
-        if short > self.num_evictable:
-            return False
-        if short > 0:
-            self.evict(short)
-        return True
-
-    def flush(self) -> int:
-        """Evict every cached page no request holds (SGLang's /flush_cache); how many went."""
-        n = self.num_evictable
-        self.evict(n)
-        return n
-
-    def evict(self, n_pages: int) -> None:
-        """Give n_pages cached pages back to the pool, least recently used leaves first."""
+    def evict(self, n_pages: int) -> list[int]:
+        """Take n_pages cached pages out of the trie, least recently used leaves first; the pool
+        frees them."""
+        pages = []
         for _ in range(n_pages):
             while True:
                 last_used, _, n = heapq.heappop(self.evictable)  # never empty: see num_evictable
@@ -315,16 +314,18 @@ class PrefixCache:
                 del self.snapshot_lru[n.snapshot]
                 self.free_snapshots.append(n.snapshot)
                 n.snapshot = None
-            self._remove(n)
+            pages.append(self._remove(n))
+        return pages
 
-    def _remove(self, n: Node) -> None:
+    def _remove(self, n: Node) -> int:
+        """Take a leaf no request holds out of the trie; its page, for the pool to free."""
         parent = n.parent
         (parent.children if len(n.tokens) == self.page_size else parent.tails).pop(n.tokens)
         n.parent = None
-        self.cache.free_pages.append(n.page)
         self.num_evictable -= 1
         if parent is not self.root:
             self._push_if_leaf(parent)
+        return n.page
 
     # ------------------------------------------------------------------ monitoring
     @property

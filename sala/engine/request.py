@@ -80,7 +80,6 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V and state are in the cache
     pages: list[int] = field(default_factory=list)  # K/V pool pages, allocated as the sequence grows
-    page_table: torch.Tensor | None = None  # `pages` on the cache's device
     state_slot: int = -1
     prefix_chain: list = field(default_factory=list)  # prefix-cache nodes of pages[:len(prefix_chain)] (sala/engine/prefix.py)
     num_cached_tokens: int | None = None  # tokens resumed from the prefix cache at first admission

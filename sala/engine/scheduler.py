@@ -15,13 +15,13 @@ back to the front of the queue, to recompute its prompt and the tokens it alread
 generated tokens are recomputed by one decode step each, as they were first computed, so the
 recomputed cache is bitwise the one that was freed.
 
-With a prefix cache (sala/engine/prefix.py) a waiting request is admitted from the deepest
-snapshot it matches, and a chunk never runs past the next snapshot interval, so that the
-lightning state there exists to be snapshotted. Cached pages count as free.
+With a prefix cache (sala/engine/prefix.py, inside the cache pool) a waiting request is
+admitted from the deepest snapshot it matches, and a chunk never runs past the next snapshot
+interval, so that the lightning state there exists to be snapshotted. Cached pages count as free.
 
-With Medusa a decode is a draft tree: it costs `decode_tokens` rows of the budget (the tree's
-nodes) and reserves pages for `lookahead` more positions (the deepest path it may accept);
-`speculate` (sala/engine/speculation.py) may make a step of many decoders a plain one instead.
+With Medusa (`speculation`, sala/engine/speculation.py) a decode is a draft tree: it costs the
+tree's nodes in rows of the budget and reserves pages for the deepest path it may accept; the
+speculation's policy may make a step of many decoders a plain one instead.
 
 In the batch-invariant mode a chunk ends only at a multiple of `granule` (or at the end of
 the tokens), so where a prompt is cut never depends on the load.
@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from sala.engine.cache import CacheFull, CachePool
-from sala.engine.prefix import PrefixCache
+from sala.engine.cache import CachePool
+from sala.engine.memory import CacheFull
 from sala.engine.request import Request
-from sala.engine.speculation import greedy_batch
+
+if TYPE_CHECKING:
+    from sala.engine.speculation import Speculation
 
 
 class QueueFull(RuntimeError):
@@ -60,19 +62,16 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, cache: CachePool, max_batch_tokens: int, max_seqs: int, max_waiting: int, granule: int = 1,
-                 prefix: PrefixCache | None = None, exact_recompute: bool = False):
+                 exact_recompute: bool = False, speculation: Speculation | None = None):
         if max_batch_tokens < max_seqs + granule - 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least max_seqs={max_seqs}"
                              + (f" + {granule - 1} (one prefill granule)" if granule > 1 else ""))
-        self.cache, self.prefix = cache, prefix
+        self.cache, self.speculation = cache, speculation
         self.max_batch_tokens, self.max_seqs, self.max_waiting, self.granule = max_batch_tokens, max_seqs, max_waiting, granule
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
         self.exact_recompute = exact_recompute
-        self.decode_tokens, self.lookahead = 1, 0  # a plain decode; Medusa sets its tree's
-        # Medusa: whether n decoders (all greedy without logprobs, or not) verify their trees
-        self.speculate: Callable[[int, bool], bool] | None = None
         self.lock = threading.Lock()
 
     def add(self, req: Request) -> None:
@@ -101,11 +100,9 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         batch = Schedule()
-        batch.speculative = self.lookahead > 0
-        if batch.speculative and self.speculate is not None:
-            decoding = [r for r in self.running if not r.prefilling]
-            batch.speculative = self.speculate(len(decoding), greedy_batch(decoding))
-        lookahead, decode_tokens = (self.lookahead, self.decode_tokens) if batch.speculative else (0, 1)
+        if self.speculation:
+            batch.speculative = self.speculation.verifies([r for r in self.running if not r.prefilling])
+        lookahead, decode_tokens = self.speculation.row_cost() if batch.speculative else (0, 1)
         for r in list(self.running):
             if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + lookahead,
                                                                                       r.capacity)):
@@ -124,16 +121,14 @@ class Scheduler:
             passed_over = deque()
             while budget > 0 and self.waiting and len(self.running) < self.max_seqs:
                 r = self.waiting.popleft()
-                hit = self.prefix.match(r) if self.prefix else None
+                hit = self.cache.match(r)
                 r.num_computed = hit.length if hit else 0
                 end = self._chunk_end(r, budget)
-                if end == r.num_computed or not (self.prefix.can_admit(hit, end) if hit else self.cache.can_admit(end)):
+                if end == r.num_computed or not self.cache.can_admit(end, hit):
                     r.num_computed = 0
                     passed_over.append(r)
                     continue
-                self.cache.admit(r)
-                if self.prefix:
-                    self.prefix.admit(r, hit)
+                self.cache.admit(r, hit)
                 self.cache.grow(r, end)
                 self.running.append(r)
                 batch.prefills.append((r, r.num_computed, end))
@@ -148,8 +143,8 @@ class Scheduler:
     def _chunk_end(self, r: Request, budget: int) -> int:
         total = r.prefill_end
         end = min(total, r.num_computed + budget)
-        if self.prefix:  # stop at the next snapshot position
-            end = min(end, (r.num_computed // self.prefix.interval + 1) * self.prefix.interval)
+        if prefix := self.cache.prefix:  # stop at the next snapshot position
+            end = min(end, (r.num_computed // prefix.interval + 1) * prefix.interval)
         if end < total:
             end -= end % self.granule
         return max(end, r.num_computed)

@@ -305,10 +305,10 @@ def accept_length(engine, prompts: list[list[int]], max_tokens: int) -> float:
     """Mean tokens per verify step (bonus included) of a Medusa engine decoding `prompts` greedily."""
     from sala.engine import SamplingParams
 
-    before = (engine.spec.verify_steps, engine.spec.accepted_tokens)
+    before = engine.stats().speculation
     engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    steps = engine.spec.verify_steps - before[0]
-    return 1 + (engine.spec.accepted_tokens - before[1]) / max(steps, 1)
+    after = engine.stats().speculation
+    return 1 + (after.accepted_tokens - before.accepted_tokens) / max(after.verify_steps - before.verify_steps, 1)
 
 
 # ------------------------------------------------------------------------------ one call

@@ -1,0 +1,155 @@
+"""The decode step's fast paths: compiled with inductor on CPU, replayed from CUDA graphs on CUDA.
+
+A decode-only step (every row one request's next token) is the one every engine repeats most,
+so its host overhead is cut: on CPU `CompiledDecode` runs it through torch.compile (one graph
+with dynamic batch size and page-table width); on CUDA `CudaGraphDecode` replays graphs
+captured at bucketed batch sizes over a persistent step context (as nano-vllm does). Medusa's
+verify steps have compiled graphs of their own (sala/engine/speculation.py) on `CompiledStep`.
+
+A compiled step takes its arguments (tensors and step contexts) as one pytree: flattened to
+tensors on the way in, rebuilt inside the graph (sala/engine/context.py registers the contexts).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch.utils import _pytree as pytree
+
+from sala.engine.context import StepContext, decode_padding
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes decode graphs are captured at: a step of n requests runs the smallest >= n."""
+    return [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) if s < max_batch] + [max_batch]
+
+
+class CompiledStep:
+    """A step function through torch.compile (inductor), dynamic shapes, C++ launcher
+    (cpp_wrapper: measured ~20% off a batch-8 step). After the first call compiled, guards are
+    not evaluated (skip_guard_eval_unsafe: over a hundred parameter and pool tensors, ~0.5 ms a
+    step): callers pad inputs so that one graph serves every step. If compiling fails (no C++
+    compiler, an unsupported op) the engine says so once and stays eager."""
+
+    # Inductor specialises size-1 dimensions (more graphs) and lays a size-1 batch out with
+    # stride 0, which sends every GEMM to a slow non-BLAS path: batches and page tables are
+    # padded to at least two (the extra rows read and write only scratch).
+    MIN_ROWS = MIN_WIDTH = 2
+    what = "the decode step"
+
+    def __init__(self):
+        self.fn = torch.compile(self._unflattened, dynamic=True, options={"cpp_wrapper": True})
+        self.spec: pytree.TreeSpec | None = None
+        self.failed = False
+        self.seconds: float | None = None  # compiling took, once compiled
+
+    @property
+    def compiled(self) -> bool:
+        return self.seconds is not None
+
+    def _unflattened(self, *leaves):
+        return self.step(*pytree.tree_unflatten(leaves, self.spec))
+
+    def step(self, *args):
+        """The computation, on the arguments `run` was given."""
+        raise NotImplementedError
+
+    def run(self, *args, dynamic: list[tuple[torch.Tensor, int]]):
+        """step(*args) compiled; None when compiling failed (the caller then runs it eagerly).
+        `dynamic`: the (tensor, dim) sizes that change from step to step."""
+        if self.failed:
+            return None
+        leaves, self.spec = pytree.tree_flatten(args)
+        for t, dim in dynamic:  # else a width equal to some static size (kv heads: 2) is specialised on
+            torch._dynamo.mark_dynamic(t, dim)
+        if self.compiled:
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return self.fn(*leaves)
+            except RuntimeError:  # a graph that has to be recompiled: raised before anything ran
+                pass
+        t0 = time.perf_counter()
+        try:
+            out = self.fn(*leaves)
+        except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
+            self.failed = True
+            log.warning("compiling %s failed, running eager: %s", self.what,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        if not self.compiled:
+            self.seconds = time.perf_counter() - t0
+            log.info("compiled %s in %.1f s", self.what, self.seconds)
+        return out
+
+
+def rows_dynamic(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """Dimension 0 of each tensor that has more than one row."""
+    return [(t, 0) for t in tensors if t.shape[0] > 1]
+
+
+class CompiledDecode(CompiledStep):
+    """The decode-only step: batch size and page-table width dynamic, one graph for every step."""
+
+    def __init__(self, runner):
+        super().__init__()
+        self.runner = runner
+
+    def step(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return self.runner.forward(ids, ctx)[1]
+
+    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        n, width = ids.shape[0], ctx.block_tables.shape[1]
+        if n < self.MIN_ROWS or width < self.MIN_WIDTH:
+            padded = decode_padding(ctx.cache, max(n, self.MIN_ROWS), max(width, self.MIN_WIDTH))
+            ctx.copy_into(padded)
+            ids, ctx = torch.cat([ids, ids.new_zeros(padded.num_decode - n)]), padded
+        tensors = (ids, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens, ctx.state_slots)
+        logits = self.run(ids, ctx, dynamic=rows_dynamic(*tensors) + [(ctx.block_tables, 1)])
+        return None if logits is None else logits[:n]
+
+
+class CudaGraphDecode:
+    """Decode steps replayed from CUDA graphs captured at bucketed batch sizes (as nano-vllm
+    does). The inputs live in a persistent step context; a step of n requests runs the smallest
+    captured size >= n, its extra rows padding (the scratch page and state slot). Page tables
+    are as wide as the longest request the pool can hold, so one graph serves every context
+    length."""
+
+    def __init__(self, runner, max_batch: int):
+        self.runner = runner
+        cache = runner.cache
+        self.sizes = graph_batch_sizes(max_batch)
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=cache.device)
+        self.context = decode_padding(cache, max_batch, cache.pages_for(cache.plan.max_model_len))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.seconds: float | None = None  # capturing took, once captured
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            ids, ctx = self.ids[:n], self.context.rows(n)
+            self.runner.forward(ids, ctx)  # warm-up: Triton compiles, constants reach the GPU
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.pool):
+                out = self.runner.forward(ids, ctx)[1]
+            self.pool = graph.pool()
+            self.graphs[n] = (graph, out)
+        torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - t0
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.sizes, self.seconds)
+
+    def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if not self.graphs:
+            self.capture()
+        n = ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.ids[:size].zero_()
+        self.ids[:n] = ids
+        ctx.copy_into(self.context.rows(size))
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]
