@@ -8,8 +8,9 @@ routing, so no router of the ingress deployment ever sees a prompt. Hence, with
 `prefix_routing` on, the app is two deployments: `PrefixRoutingIngress` (no model, no CPU
 reserved) reads each body, takes the prompt out of it and passes the whole HTTP request, its
 prompt beside it, through a DeploymentHandle to `SalaServer.routed`, which runs it through its
-own FastAPI app; SalaServer's handle routes with `PrefixAffinityRouter`, a Serve
-`RequestRouter` (`RequestRouterConfig(request_router_class=...)`) that reads the prompt.
+own FastAPI app (serve/replica_routing.py: the replica's side); SalaServer's handle routes with
+`PrefixAffinityRouter`, a Serve `RequestRouter` (`RequestRouterConfig(request_router_class=...)`)
+that reads the prompt.
 
 The router's view of each replica's cache is its own record of where it sent which prompts,
 in blocks of `block_chars` characters, least recently used dropped past `max_blocks`. Replicas
