@@ -45,7 +45,7 @@ def served(url: str | None, model_dir, **app_kwargs):
     import ray
     from ray import serve
 
-    from serve.app import build_app
+    from serve.build import build_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)

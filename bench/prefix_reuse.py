@@ -90,7 +90,7 @@ def across_replicas(args) -> None:
     from sala.checkpoint import read_config
     from sala.engine.memory import kv_bytes_per_token, state_bytes_per_seq
     from sala.kv.plan import default_plan
-    from serve.app import build_app
+    from serve.build import build_app
 
     path = ensure_tiny_sala()
     from transformers import AutoTokenizer

@@ -1,40 +1,16 @@
-"""The HTTP protocol: request bodies (OpenAI /v1/completions and /v1/chat/completions,
-SGLang's /generate), their translation into SamplingParams, response shapes and errors.
-
-Errors follow OpenAI: `{"error": {"message", "type", "param", "code"}}`. A body that is not
-JSON is a 400; one that does not match the schema (a missing or mistyped field) a 422; a
-field with an impossible value a 400; both name the field in `param`. No field is ignored:
-one this server does not know, or knows but cannot honour (response_format, tools), is a 400
-naming it, as OpenAI answers an unrecognized argument.
+"""The API's request bodies (OpenAI /v1/completions and /v1/chat/completions, SGLang's
+/generate and the rest), their translation into SamplingParams, and the pieces responses are
+made of (usage, logprobs, finish reasons). The same over HTTP and through a DeploymentHandle;
+serve/errors.py holds how a refused one is answered.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from sala.engine import InvalidParam, RequestOutput, SamplingParams, SpecStats, TokenBytes, TokenLogprob
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def schema_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    param = ".".join(str(x) for x in err["loc"]) or None
-    if err["type"] == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param} (this server does not support it)",
-                        param=param, code="unknown_field")
-    return APIError(422, f"{param}: {err['msg']}" if param else err["msg"], param=param, code=err["type"])
 
 
 class _Body(BaseModel):
@@ -272,23 +248,12 @@ class AbortRequest(_Body):
     abort_all: bool = False
 
 
-# Where each SamplingParams field lives in each endpoint's body, for error messages.
-PARAM_NAMES = {
-    "chat": {"logprobs": "top_logprobs", "prompt": "messages"},
-    "generate": {"max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
-                 "n": "sampling_params.n", "seed": "sampling_params.sampling_seed",
-                 "logprobs": "top_logprobs_num", "prompt_logprobs_start": "logprob_start_len", "prompt": "text",
-                 **{f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-                                                        "repetition_penalty", "presence_penalty", "frequency_penalty",
-                                                        "logit_bias")}},
-}
-
-
 @dataclass
 class Choice:
     """One choice's outputs, accumulated as they arrive."""
 
     index: int
+    request_id: str = ""  # the engine's id of the request
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     text: str = ""
@@ -307,6 +272,7 @@ class Choice:
         return self.matched if isinstance(self.matched, str) or self.matched in self.stop_token_ids else None
 
     def add(self, out: RequestOutput) -> None:
+        self.request_id = out.request_id
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.spec = out.spec

@@ -8,8 +8,9 @@ routing, so no router of the ingress deployment ever sees a prompt. Hence, with
 `prefix_routing` on, the app is two deployments: `PrefixRoutingIngress` (no model, no CPU
 reserved) reads each body, takes the prompt out of it and passes the whole HTTP request, its
 prompt beside it, through a DeploymentHandle to `SalaServer.routed`, which runs it through its
-own FastAPI app; SalaServer's handle routes with `PrefixAffinityRouter`, a Serve
-`RequestRouter` (`RequestRouterConfig(request_router_class=...)`) that reads the prompt.
+own FastAPI app (serve/replica_routing.py: the replica's side); SalaServer's handle routes with
+`PrefixAffinityRouter`, a Serve `RequestRouter` (`RequestRouterConfig(request_router_class=...)`)
+that reads the prompt.
 
 The router's view of each replica's cache is its own record of where it sent which prompts,
 in blocks of `block_chars` characters, least recently used dropped past `max_blocks`. Replicas
@@ -37,7 +38,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -70,67 +71,6 @@ class SummaryRequest:
     """The ingress asking replica `replica` which blocks of the prompts it served it still holds."""
     replica: str
     block_chars: int
-
-
-class ServedPrompts:
-    """A replica's record of the prompt keys relayed to it (the `max_keys` most recent), each with
-    its tokens, to tell the router which it still holds. How much of each its prefix cache could
-    resume from is looked up again only for new keys, or for all once the cache has evicted."""
-
-    # The key of the request SalaServer.routed is running, for the submit that tokenizes its prompt.
-    relayed_key: ClassVar[contextvars.ContextVar[str | None]] = contextvars.ContextVar("relayed_key", default=None)
-
-    def __init__(self, max_keys: int = 1024):
-        self.max_keys = max_keys
-        self.tokens: OrderedDict[str, list[int]] = OrderedDict()
-        self.in_flight: Counter[str] = Counter()  # keys with a request running here: about to be held
-        self.depth: dict[str, int] = {}  # resumable tokens of each key at the last look-up
-        self.evictions_seen = -1  # the prefix cache's evicted-page count at the last look-up
-        self.hashes: dict[tuple[str, int], list[int]] = {}  # block_hashes, once per key
-
-    def begin(self, key: str) -> None:
-        self.in_flight[key] += 1
-
-    def end(self, key: str) -> None:
-        self.in_flight[key] -= 1
-        if not self.in_flight[key]:
-            del self.in_flight[key]
-
-    def add(self, key: str, token_ids: list[int]) -> None:
-        self.tokens[key] = token_ids
-        self.tokens.move_to_end(key)
-        self.depth.pop(key, None)
-        while len(self.tokens) > self.max_keys:
-            self._drop(next(iter(self.tokens)))
-
-    def to_look_up(self, tokens: dict[str, list[int]], num_evicted: int) -> dict[str, list[int]]:
-        """Of `tokens` (a copy of self.tokens), those whose depth may have changed."""
-        return tokens if num_evicted != self.evictions_seen else {k: v for k, v in tokens.items() if k not in self.depth}
-
-    def held_blocks(self, looked_up: dict[str, int], num_evicted: int, block_chars: int) -> list[int]:
-        """The blocks still held, given `looked_up` (key -> how many of its tokens the prefix
-        cache could resume from, counted at `num_evicted` evicted pages): of each key the
-        characters in proportion to those tokens, all of it while a request for it runs here or
-        when it came after the look-up. Keys with nothing held are forgotten."""
-        self.evictions_seen = num_evicted
-        self.depth.update({k: d for k, d in looked_up.items() if k in self.tokens and k not in self.in_flight})
-        held = []
-        for key in list(self.tokens) + [k for k in self.in_flight if k not in self.tokens]:
-            depth = self.depth.get(key) if key not in self.in_flight else None
-            chars = len(key) if depth is None else len(key) * depth // max(len(self.tokens[key]), 1)
-            if not chars:
-                self._drop(key)
-                continue
-            if (key, block_chars) not in self.hashes:
-                self.hashes[key, block_chars] = block_hashes(key, block_chars)
-            held += self.hashes[key, block_chars][: chars // block_chars]
-        return held
-
-    def _drop(self, key: str) -> None:
-        self.tokens.pop(key, None)
-        self.depth.pop(key, None)
-        for k in [k for k in self.hashes if k[0] == key]:
-            del self.hashes[k]
 
 
 def prompt_key(path: str, body: bytes) -> str | None:

@@ -174,7 +174,7 @@ def serve_tiny_sala(model_dir, name: str, **app_kwargs):
     (local Ray started here unless already up), yielding its URL; stopped by its own handles."""
     from ray import serve
 
-    from serve.app import build_app
+    from serve.build import build_app
 
     with ray_on_two_cpus():
         port = free_port()

@@ -198,10 +198,10 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from serve.app import EngineCollector
+    from serve.metrics import EngineSeries
 
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))
+    registry.register(EngineSeries(engine.info(), engine.stats()))
     value = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     totals = engine.speculation.totals
     assert value["sala_spec_max_batch"] == 1 and value["sala_spec_verify_steps_total"] == totals.verify_steps

@@ -13,7 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.router import PrefixMap, RoutingOptions, ServedPrompts, block_hashes, prompt_key
+from serve.replica_routing import ServedPrompts
+from serve.router import PrefixMap, RoutingOptions, block_hashes, prompt_key
 from tests.conftest import serve_tiny_sala
 
 
@@ -79,7 +80,7 @@ def test_routing_options_refuse_bad_values():
             RoutingOptions(**bad)
     with pytest.raises(TypeError, match="nonsense"):
         RoutingOptions(nonsense=1)
-    from serve.app import build_app
+    from serve.build import build_app
 
     for bad, match in (({"num_replicas": 0}, "num_replicas"), ({"prefix_routing_options": {"block_chars": 0}}, "block_chars"),
                        ({"prefix_routing": False, "prefix_routing_options": {"block_chars": 64}}, "prefix_routing off")):

@@ -565,19 +565,19 @@ def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
 
 
 def test_metrics_count_preemptions_and_free_pages(tiny_sala_dir, local_engine):
-    """The replica's engine collector on an engine whose pool is too small for its requests."""
+    """The replica's engine series on an engine whose pool is too small for its requests."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from sala.checkpoint import load_model
     from sala.engine import Engine
-    from serve.app import EngineCollector
+    from serve.metrics import EngineSeries
 
     engine = Engine(load_model(tiny_sala_dir), local_engine.tokenizer, compile=False, page_size=16, max_seqs=8,
                     max_model_len=128, memory_bytes=8 * 16 * 1536 + 8 * 81920)
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))
     prompts = [local_engine.encode(f"The {w} statement") * 4 for w in ("for", "while", "if", "try", "with", "del")]
     engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    registry = CollectorRegistry()
+    registry.register(EngineSeries(engine.info(), engine.stats()))
     samples = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     assert samples["sala_preemptions_total"] == engine.num_preemptions > 0
     # Every page is back: free, or held by the prefix cache for reuse (and no request).
@@ -722,10 +722,11 @@ def test_kv_plan_bad_fails_before_serving_and_good_shows_its_bytes_in_metrics(ti
     from prometheus_client import CollectorRegistry, generate_latest
 
     from sala.engine import Engine
-    from serve.app import EngineCollector
+    from serve.metrics import EngineSeries
 
+    engine = Engine.from_pretrained(tiny_sala_dir, kv_plan=str(good), compile=False)
     registry = CollectorRegistry()
-    registry.register(EngineCollector(Engine.from_pretrained(tiny_sala_dir, kv_plan=str(good), compile=False)))
+    registry.register(EngineSeries(engine.info(), engine.stats()))
     text = generate_latest(registry).decode()
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     value = {s.name: s.value for s in samples}
@@ -755,8 +756,9 @@ def test_medusa_max_batch_refused_without_medusa_or_when_malformed(tiny_sala_dir
     """--medusa-max-batch is refused in one line, before Ray starts, when it is not an integer
     >= 0 or 'auto', and when the model is decoded without Medusa (a setting silently ignored)."""
     from pipelines.generate import main as generate_main
-    from serve.app import MedusaOff, build_app, parse_args
     from serve.app import main as serve_main
+    from serve.app import parse_args
+    from serve.build import MedusaOff, build_app
 
     assert parse_args(["--medusa-max-batch", "4"]).medusa_max_batch == 4
     assert parse_args(["--medusa-max-batch", "auto"]).medusa_max_batch == "auto"

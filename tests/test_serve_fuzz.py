@@ -70,9 +70,11 @@ def baseline(http):
 
 # ---------------------------------------------------------------- strategies
 def routes() -> list[tuple[str, str]]:
-    """Every (path, method) the app serves, from its OpenAPI schema (so routes added later are fuzzed too)."""
-    from serve.app import api
+    """Every (path, method) the app serves, from its OpenAPI schema (so routes added later are fuzzed too);
+    the app as a replica builds it, without a server behind it (the schema calls no route)."""
+    from serve.http import build_api
 
+    api = build_api(None, api_key=None, max_body_bytes=0)
     return sorted((path, method.upper()) for path, ops in api.openapi()["paths"].items() for method in ops)
 
 

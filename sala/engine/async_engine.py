@@ -84,6 +84,11 @@ class AsyncEngine:
         """Await Engine.stats() taken between two steps."""
         return self.between_steps(self.engine.stats)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the step thread runs (False once closed, or if it died)."""
+        return self.thread.is_alive()
+
     def close(self) -> None:
         self.stopping = True
         self.wakeup.set()

@@ -1,0 +1,72 @@
+"""Errors as the API answers them, over HTTP and through a DeploymentHandle alike.
+
+Errors follow OpenAI: `{"error": {"message", "type", "param", "code"}}`. A body that is not
+JSON is a 400; one that does not match the schema (a missing or mistyped field) a 422; a
+field with an impossible value a 400; both name the field in `param`. No field is ignored:
+one this server does not know, or knows but cannot honour (response_format, tools), is a 400
+naming it, as OpenAI answers an unrecognized argument.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ValidationError
+
+from sala.engine import InvalidParam
+from serve.protocol import GenerateRequest
+
+
+class APIError(ValueError):
+    """A refused request, in the shape the HTTP API answers it. A ValueError, so that a caller
+    through a DeploymentHandle sees a bad request as one: Ray Data's ServeDeploymentProcessorConfig
+    turns a ValueError into that row's `__inference_error__` instead of failing the job."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def __reduce__(self):  # Ray pickles it to the caller; the default would call APIError(message)
+        return type(self), (self.status, self.message, self.type, self.param, self.code, self.headers)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def schema_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param = ".".join(str(x) for x in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param} (this server does not support it)",
+                        param=param, code="unknown_field")
+    return APIError(422, f"{param}: {err['msg']}" if param else err["msg"], param=param, code=err["type"])
+
+
+# Where each SamplingParams field lives in each endpoint's body, for error messages.
+PARAM_NAMES = {
+    "chat": {"logprobs": "top_logprobs", "prompt": "messages"},
+    "generate": {"max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
+                 "n": "sampling_params.n", "seed": "sampling_params.sampling_seed",
+                 "logprobs": "top_logprobs_num", "prompt_logprobs_start": "logprob_start_len", "prompt": "text",
+                 **{f: f"sampling_params.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+                                                        "repetition_penalty", "presence_penalty", "frequency_penalty",
+                                                        "logit_bias")}},
+}
+
+
+def client_error(e: InvalidParam | ValidationError, endpoint: str, body: BaseModel | None) -> APIError:
+    """The 400 / 422 a bad value or a bad schema in a request to `endpoint` is, naming the field
+    as that endpoint's body spells it."""
+    if isinstance(e, ValidationError):
+        return schema_error(e)
+    param = PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)
+    if param == "text" and isinstance(body, GenerateRequest) and body.text is None:
+        param = "input_ids"
+    return APIError(400, str(e), param=param)
+
+
+def parse(model: type[BaseModel], data) -> BaseModel:
+    """`data` (a request's JSON) as `model`; APIError naming the field when it does not fit."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise schema_error(e) from None
