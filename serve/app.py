@@ -21,8 +21,10 @@ import hmac
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import uuid
@@ -202,7 +204,13 @@ class SalaServer:
         device = gpu_device(num_gpus)  # before the download: a replica without CUDA fails at once
         path = resolve_model_path(model)
         engine = Engine.from_pretrained(path, device=device, batch_invariant=deterministic, **(engine_kwargs or {}))
+        # Most of a replica's start-up, of which Serve itself says only that the replica "has taken
+        # more than 30s to initialize": say what it is and how long it takes.
+        serve_log = logging.getLogger("ray.serve")
+        serve_log.info("warming up the engine for %s: compiling its decode step, usually 15-60 s on CPU", path)
+        start = time.perf_counter()
         engine.warmup()
+        serve_log.info("engine warmed up in %.1f s", time.perf_counter() - start)
         self.engine = AsyncEngine(engine)
         self.tokenizer = self.engine.engine.tokenizer
         self.text_of = TokenText(self.tokenizer)
@@ -807,7 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="sala", route_prefix="/")
-    stop_cmd = "serve shutdown -y"
+    # The serve CLI beside this interpreter, by its full path: the printed command runs from any
+    # shell, whether or not this environment's bin directory is on its PATH.
+    stop_cmd = f"{shlex.quote(os.path.join(sysconfig.get_path('scripts'), 'serve'))} shutdown -y"
     if ctx.dashboard_url and ctx.dashboard_url.rsplit(":", 1)[-1] != "8265":
         stop_cmd += f" --address http://{ctx.dashboard_url}"
     if os.environ.get("RAY_AUTH_MODE") == "token":  # set by ray.init when it enabled token auth
