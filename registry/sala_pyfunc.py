@@ -22,12 +22,19 @@ class SALAPyfunc(PythonModel):
         self.engine = Engine.from_pretrained(context.artifacts["checkpoint"], compile=False)
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> list[str]:
-        from sala.engine import SamplingParams
+        from mlflow.exceptions import MlflowException
+
+        from sala.engine import InvalidParam, SamplingParams
 
         # The signature's one string column; MLflow has filled in the params the caller left out.
         sampling = SamplingParams(max_tokens=params["max_new_tokens"], temperature=params["temperature"],
                                   top_p=params["top_p"], top_k=params["top_k"], seed=params["seed"])
-        return [c.text for c in self.engine.generate(model_input.iloc[:, 0].tolist(), sampling)]
+        try:
+            sampling.validate(self.engine.config.vocab_size)  # before any prompt of the batch is queued
+            completions = self.engine.generate(model_input.iloc[:, 0].tolist(), sampling)
+        except InvalidParam as e:  # the caller's mistake: MLflow answers 400 with this line, not a traceback
+            raise MlflowException.invalid_parameter_value(str(e)) from None
+        return [c.text for c in completions]
 
 
 mlflow.models.set_model(SALAPyfunc())

@@ -91,6 +91,7 @@ def greedy_text(model, tokenizer, prompt: str, n: int) -> str:
 def test_registered_model_installs_this_project_and_generates_through_the_engine(tiny_sala_dir, tmp_path, monkeypatch,
                                                                                one_torch_thread):
     import mlflow
+    from mlflow.exceptions import MlflowException
     from mlflow.pyfunc.scoring_server import invocations
 
     from registry.models import register_checkpoint, set_alias
@@ -111,9 +112,11 @@ def test_registered_model_installs_this_project_and_generates_through_the_engine
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet", "--report",
                         str(tmp_path / "report.json"), "-r", "requirements.txt"], cwd=local, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    (ours,) = json.loads((tmp_path / "report.json").read_text())["install"]
+    installs = json.loads((tmp_path / "report.json").read_text())["install"]
     project = read_configuration(ROOT / "pyproject.toml")["project"]
-    assert ours["metadata"]["name"] == project["name"] == "minicpm-sala-engine"
+    assert [i["metadata"]["name"] for i in installs] == [project["name"]] == ["minicpm-sala-engine"], \
+        [(i["metadata"]["name"], i["metadata"]["version"]) for i in installs]
+    (ours,) = installs
     assert re.fullmatch(re.escape(project["version"]) + r"\+src\.[0-9a-f]{12}", ours["metadata"]["version"])
     wanted = {Requirement(d).name for d in project["dependencies"]}
     assert {Requirement(d).name for d in ours["metadata"]["requires_dist"] if "extra ==" not in d} == wanted
@@ -132,10 +135,16 @@ def test_registered_model_installs_this_project_and_generates_through_the_engine
     tokenizer = model.unwrap_python_model().engine.tokenizer
     prompts = ["The for statement", "def fib(n):", "A list is"]
     assert model.predict(prompts, params={"max_new_tokens": 5}) == [greedy_text(base, tokenizer, p, 5) for p in prompts]
-    readme = (ROOT / "README.md").read_text()
-    (body,) = re.findall(r"curl -s 127.0.0.1:5001/invocations .* -d '(.*)'", readme)
-    request = json.loads(body)
-    answer = invocations(body, "application/json", model, model.metadata.get_input_schema())
-    assert answer.status == 200, answer.response
-    n = request["params"]["max_new_tokens"]
-    assert json.loads(answer.response)["predictions"] == [greedy_text(base, tokenizer, p, n) for p in request["inputs"]]
+    bodies = re.findall(r"curl -s 127.0.0.1:5001/invocations .* -d '(.*)'", (ROOT / "README.md").read_text())
+    assert len(bodies) == 2  # the main job's next steps, and "Serve it with MLflow"
+    for body in bodies:
+        request = json.loads(body)
+        answer = invocations(body, "application/json", model, model.metadata.get_input_schema())
+        assert answer.status == 200, answer.response
+        n = request["params"]["max_new_tokens"]
+        assert json.loads(answer.response)["predictions"] == [greedy_text(base, tokenizer, p, n) for p in request["inputs"]]
+    # A bad param is the caller's error, answered 400 with one line (not "an unexpected error" and a traceback).
+    with pytest.raises(MlflowException, match=r"temperature must be finite and >= 0, got -1.0$") as e:
+        invocations(json.dumps({"inputs": ["x"], "params": {"temperature": -1.0}}), "application/json", model,
+                    model.metadata.get_input_schema())
+    assert e.value.get_http_status_code() == 400
