@@ -53,12 +53,12 @@ def test_jsonl_with_malformed_rows(tiny_sala_dir, tmp_path, local_ray, mlflow_st
     ray_data_log = RecordedLogs()
     logging.getLogger("ray.data").addHandler(ray_data_log)
     try:
-        # Two engine actors hold both CPUs (one each, the default --num-cpus).
+        # The engine actor holds both CPUs.
         with contextlib.redirect_stdout(io.StringIO()) as stdout, warnings.catch_warnings():  # not capsys: Ray's
             warnings.simplefilter("error", RayDeprecationWarning)  # loggers would keep its stream
             code = generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
                                   "--max-tokens", "4", "--batch-size", "50", "--logprobs", "2", "--deterministic",
-                                  "--replicas", "2"])
+                                  "--num-cpus", "2"])
     finally:
         logging.getLogger("ray.data").removeHandler(ray_data_log)
     assert code == 0
