@@ -11,10 +11,11 @@ each hold one engine (`--replicas`, with `--num-gpus` per replica on GPU nodes, 
 runs on CUDA). Output columns follow
 Ray Data LLM's schema: generated_text, num_input_tokens, num_generated_tokens, finish_reason,
 time_taken_llm, optional logprobs / top_logprobs, and __inference_error__, which is set (and
-the rest left empty) for a row that cannot be generated: a line that is not JSON, a missing or
-empty prompt, a prompt longer than the context. Such a row never fails the job; its token
-counts are null, and stay integers (pandas reads them as nullable Int64). Parquet and datasets
-inputs keep all their columns; a jsonl line is kept verbatim in `record`.
+the rest left empty) for a row that cannot be generated: a line that is not JSON (or holds a
+value of another type than the file's other lines), a missing or empty prompt, a prompt longer
+than the context. Such a row never fails the job; its token
+counts are null, and stay integers (pandas reads them as nullable Int64). Every input keeps its
+columns beside the generated ones: a jsonl file's fields are columns, typed from all its lines.
 
 One MLflow run per invocation records the parameters and throughput. The output directory is
 written beside its final path and renamed into place when complete.
@@ -38,65 +39,119 @@ import numpy as np  # noqa: E402
 from pipelines.cli import HelpFormatter  # noqa: E402
 
 ERROR = "__inference_error__"
+PROMPT_COLUMN = "prompt"  # the default --prompt-column, which the quantize job's next steps name too
 TOKEN_COUNTS = ("num_input_tokens", "num_generated_tokens")
 
 
 # ----------------------------------------------------------------------------- reading
-def input_columns(spec: str, kind: str, split: str | None, sample_lines: int = 1000) -> tuple[list[str], int | None]:
-    """Column names and, where cheap, the row count, read before starting Ray."""
+def input_schema(spec: str, kind: str, split: str | None):
+    """The dataset's Arrow schema and row count, read before starting Ray."""
     if kind == "jsonl":
-        keys, rows = set(), 0
-        with open(spec) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                rows += 1
-                if rows <= sample_lines:
-                    try:
-                        rec = json.loads(line)
-                        keys |= set(rec) if isinstance(rec, dict) else set()
-                    except ValueError:
-                        pass
-        return sorted(keys), rows
+        return jsonl_schema(spec)
     if kind == "datasets":
         from sala.eval.calibration import load_hf_dataset
 
         ds = load_hf_dataset(spec, split)
-        return ds.column_names, ds.num_rows
+        return ds.features.arrow_schema, ds.num_rows
     import pyarrow.parquet as pq
 
     ds = pq.ParquetDataset(spec)
-    return ds.schema.names, sum(f.metadata.num_rows for f in ds.fragments)
+    return ds.schema, sum(f.metadata.num_rows for f in ds.fragments)
 
 
-def read_dataset(spec: str, kind: str, column: str, split: str | None):
+def jsonl_schema(path: str, chunk_lines: int = 4096):
+    """The columns of a jsonl file: the fields of its JSON-object lines in order of appearance,
+    each typed by all its values (ints and floats make floats, nulls take the other type; a field
+    whose values have no common type keeps its first, and lines of the other become error rows),
+    and its row count. Read whole, here: Ray Data's blocks must all agree on one schema."""
+    import pyarrow as pa
+
+    types: dict = {}
+
+    def absorb(records: list[dict]) -> None:
+        for name in dict.fromkeys(k for r in records for k in r):
+            values = [r.get(name) for r in records]
+            try:
+                seen = [pa.array(values).type]
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # values of several types in this chunk
+                seen = [pa.array([v]).type for v in values]
+            for t in seen:
+                if name not in types:
+                    types[name] = t
+                    continue
+                try:
+                    types[name] = pa.unify_schemas([pa.schema([(name, types[name])]), pa.schema([(name, t)])],
+                                                   promote_options="permissive").field(name).type
+                except (pa.ArrowInvalid, pa.ArrowTypeError):
+                    pass
+
+    rows, chunk = 0, []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rows += 1
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # an error row (parse_jsonl)
+            if isinstance(rec, dict):
+                chunk.append(rec)
+            if len(chunk) == chunk_lines:
+                absorb(chunk)
+                chunk = []
+    absorb(chunk)
+    return pa.schema(list(types.items())), rows
+
+
+def read_dataset(spec: str, kind: str, column: str, split: str | None, schema):
     import ray
 
+    # Reading and parsing ask for no CPU (nor does writing, in run): they are light, and the engine
+    # actors may hold every CPU, behind which a task waiting for one never runs (--replicas 2 on
+    # 2 cores hung so).
     if kind == "jsonl":
-        return ray.data.read_text(spec, drop_empty_lines=True).map_batches(
-            parse_jsonl, fn_kwargs={"column": column}, batch_format="pyarrow")
+        return ray.data.read_text(spec, drop_empty_lines=True, num_cpus=0).map_batches(
+            parse_jsonl, fn_kwargs={"column": column, "schema": schema}, batch_format="pyarrow", num_cpus=0)
     if kind == "datasets":
         from sala.eval.calibration import load_hf_dataset
 
         # Its Arrow table, not from_huggingface: that asks the Hub for a Parquet export of any
         # dataset that carries a Hub name, and the datasets read here are local, offline.
         return ray.data.from_arrow(load_hf_dataset(spec, split).with_format("arrow")[:])
-    return ray.data.read_parquet(spec)
+    return ray.data.read_parquet(spec, num_cpus=0)
 
 
-def parse_jsonl(batch, column: str):
-    """One text line per row -> the line as `record`, with an error unless it is a JSON object
-    holding `column`."""
+def parse_jsonl(batch, column: str, schema):
+    """One text line per row -> the line's fields as the columns of `schema` (jsonl_schema's), with
+    an error, and null fields, unless it is a JSON object holding `column` with values of those types."""
     import pyarrow as pa
 
-    errors, lines = [], batch.column("text").to_pylist()
-    for line in lines:
+    records, errors = [], []
+    for line in batch.column("text").to_pylist():
         try:
             rec = json.loads(line)
-            errors.append(None if isinstance(rec, dict) and column in rec else f"no '{column}' field")
         except ValueError as e:
-            errors.append(f"line is not valid JSON: {e}")
-    return pa.table({"record": pa.array(lines, pa.string()), ERROR: pa.array(errors, pa.string())})
+            rec, error = {}, f"line is not valid JSON: {e}"
+        else:
+            if isinstance(rec, dict):
+                error = None if column in rec else f"no '{column}' field"
+            else:
+                rec, error = {}, "line is not a JSON object"
+        records.append(rec)
+        errors.append(error)
+    try:
+        table = pa.Table.from_pylist(records, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # some line has a value of another type than the file's
+        rows = []
+        for i, rec in enumerate(records):
+            try:
+                rows.append(pa.Table.from_pylist([rec], schema=schema))
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                rows.append(pa.Table.from_pylist([{}], schema=schema))
+                errors[i] = f"a value of another type than the file's other lines: {e}"
+        table = pa.concat_tables(rows)
+    return table.append_column(ERROR, pa.array(errors, pa.string()))
 
 
 # ----------------------------------------------------------------------------- the engine stage
@@ -129,7 +184,7 @@ class GenerateStage:
     """One engine per actor (the model loads once); each call generates one batch of rows.
     Output columns have fixed Arrow types, so batches that are all errors still share a schema."""
 
-    def __init__(self, model_path: str, column: str, chat: bool, jsonl: bool, sampling: dict,
+    def __init__(self, model_path: str, column: str, chat: bool, sampling: dict,
                  top_logprobs: int | None, num_threads: int, num_gpus: float, deterministic: bool, engine_kwargs: dict):
         import torch
 
@@ -141,11 +196,9 @@ class GenerateStage:
                                              **engine_kwargs)
         self.engine.warmup()
         self.params = SamplingParams(**sampling, logprobs=top_logprobs)
-        self.column, self.chat, self.jsonl, self.top_logprobs = column, chat, jsonl, top_logprobs
+        self.column, self.chat, self.top_logprobs = column, chat, top_logprobs
 
     def prompt(self, value) -> str:
-        if self.jsonl:  # the row is the raw line; parse_jsonl checked that it parses and has the column
-            value = json.loads(value)[self.column]
         if self.chat:
             messages = [{"role": m["role"], "content": m["content"]} for m in value]
             return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -161,7 +214,7 @@ class GenerateStage:
         n = batch.num_rows
         errors = batch.column(ERROR).to_pylist() if ERROR in batch.column_names else [None] * n
         requests = {}
-        for i, value in enumerate(batch.column("record" if self.jsonl else self.column).to_pylist()):
+        for i, value in enumerate(batch.column(self.column).to_pylist()):
             if errors[i] is not None:
                 continue
             try:
@@ -213,7 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output", required=True, help="parquet directory to write")
     ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     ap.add_argument("--model", help="checkpoint directory or models:/name@alias (default: tiny-sala)")
-    ap.add_argument("--prompt-column", default="prompt", help="column of prompt strings")
+    ap.add_argument("--prompt-column", default=PROMPT_COLUMN, help="column (a jsonl file's field) of prompt strings")
     ap.add_argument("--messages-column", help="column of chat messages instead (rendered with the chat template)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per row, at most")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -291,11 +344,11 @@ def main(argv=None) -> int:
         dataset = str(Path(args.dataset).expanduser().absolute()) if Path(args.dataset).expanduser().exists() else args.dataset
         if args.split is not None and kind != "datasets":
             raise DatasetError(f"--split: {dataset} is a {kind} dataset, which has no splits")
-        columns, rows = input_columns(dataset, kind, args.split)
+        schema, rows = input_schema(dataset, kind, args.split)
         if rows == 0:
             raise DatasetError(f"dataset {dataset} has no rows")
-        if column not in columns:
-            raise DatasetError(f"column '{column}' not found in {dataset} (columns: {', '.join(columns) or 'none'})")
+        if column not in schema.names:
+            raise DatasetError(f"column '{column}' not found in {dataset} (columns: {', '.join(schema.names) or 'none'})")
         model_path = resolve_model_path(args.model or str(ensure_tiny_sala()))
         # Checked before Ray starts; the actors get the plan itself (a path may not exist on their node).
         kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, read_config(model_path)).to_json()
@@ -316,10 +369,10 @@ def main(argv=None) -> int:
         return fail(f"--medusa-max-batch: {e}")
     except (DatasetError, ModelSpecError, TrackingError, RayUnavailable) as e:
         return fail(str(e))
-    return run(args, dataset, kind, column, rows, model_path, output, sampling, kv_plan)
+    return run(args, dataset, kind, column, schema, rows, model_path, output, sampling, kv_plan)
 
 
-def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path, output: Path, sampling: dict,
+def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_path: Path, output: Path, sampling: dict,
         kv_plan: dict | None = None) -> int:
     import mlflow
     import pyarrow.parquet as pq
@@ -334,10 +387,10 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
     with mlflow.start_run(run_name=f"generate-{Path(dataset).stem}") as mlflow_run:
         mlflow.log_params(params)
         start = time.perf_counter()
-        ds = read_dataset(dataset, kind, column, args.split).map_batches(
+        ds = read_dataset(dataset, kind, column, args.split, schema).map_batches(
             GenerateStage,
             fn_constructor_kwargs=dict(model_path=str(model_path), column=column, chat=bool(args.messages_column),
-                                       jsonl=kind == "jsonl", sampling=sampling, top_logprobs=args.logprobs,
+                                       sampling=sampling, top_logprobs=args.logprobs,
                                        num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
                                        deterministic=args.deterministic,
                                        engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
@@ -345,15 +398,12 @@ def run(args, dataset: str, kind: str, column: str, rows: int, model_path: Path,
                                                       "medusa_max_batch": args.medusa_max_batch,
                                                       "kv_plan": kv_plan}),
             batch_size=args.batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=args.replicas),
-            num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False,
-            # Ray Data hands its actors their constructor arguments through the object store, where
-            # a restarted actor cannot count on finding them (ray-project/ray#53727), and Ray core
-            # says so in an error line on every run. So no restarts: an engine actor that dies
-            # (a lost node) fails the job, which is run again.
-            max_restarts=0)
+            num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False)
         staging = output.with_name(f".{output.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        ds.write_parquet(str(staging))
+        # No CPU, as for reading: a write still holding the last one as the job ended made Ray Data
+        # warn, after the job, that it "does not have any available CPUs. The Dataset job will hang".
+        ds.write_parquet(str(staging), ray_remote_args={"num_cpus": 0})
         wall = time.perf_counter() - start
         if output.exists():
             shutil.rmtree(output)

@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout 
 import torch  # noqa: E402
 
 from pipelines.cli import HelpFormatter  # noqa: E402
+from pipelines.generate import PROMPT_COLUMN  # noqa: E402
 from pipelines.layer_pool import LayerPool, results_from_bytes, results_to_bytes  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
 from registry.models import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
@@ -483,15 +484,27 @@ def next_steps(output: Path, name: str, version: str | None, gate: bool, alias: 
         ui = (f"{here(Path(sys.executable).with_name('mlflow'))} ui --backend-store-uri {shlex.quote(uri)}, "
               f"then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}")
     out = sala_home() / "generated" / model_name(spec, output)
-    return "\n".join([
+    steps = [
         "\nnext steps",
         f"  serve it     {prefix}{python} -m serve.app --model {shlex.quote(spec)}",
         f"               then: curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{model_name(spec, output)}", "prompt": "The for statement", "max_tokens": 16}}'""",
         f"  batch        {prefix}{python} {here(ROOT / 'pipelines' / 'generate.py')} --model {shlex.quote(spec)} "
         f"--dataset PROMPTS.jsonl --output {shlex.quote(str(out))}",
-        f"  MLflow UI    {ui}",
-    ])
+        f"""               PROMPTS.jsonl: one JSON object a line, the prompt in "{PROMPT_COLUMN}", """
+        f"""e.g. {{"{PROMPT_COLUMN}": "The for statement"}}""",
+    ]
+    if version:  # a registered model, which MLflow serves too
+        # mlflow models serve runs `uvicorn` from PATH: this environment's bin directory goes first.
+        bin_dir = shlex.quote(str(Path(sys.executable).parent))
+        steps += [
+            f"  MLflow serve PATH={bin_dir}:\"$PATH\" MLFLOW_TRACKING_URI={shlex.quote(uri)} "
+            f"{here(Path(sys.executable).with_name('mlflow'))} models serve -m {shlex.quote(spec)} --env-manager local "
+            "--port 5001",
+            "               then: curl -s 127.0.0.1:5001/invocations -H 'Content-Type: application/json' "
+            """-d '{"inputs": ["The for statement"], "params": {"max_new_tokens": 16}}'""",
+        ]
+    return "\n".join([*steps, f"  MLflow UI    {ui}"])
 
 
 if __name__ == "__main__":

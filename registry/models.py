@@ -2,12 +2,16 @@
 
 A checkpoint is logged as an MLflow pyfunc model whose artifact is the checkpoint directory
 itself, so `models:/name@alias` both loads in MLflow (pyfunc predict generates text) and
-resolves here to a plain directory the engine and the pipelines read.
+resolves here to a plain directory the engine and the pipelines read. Beside it goes this
+project's wheel (registry/wheel.py), which the model's requirements name: the environment MLflow
+builds for it (`mlflow models serve` without `--env-manager local`) is this code at this version
+with its real dependencies, whatever a package index holds under our names.
 """
 from __future__ import annotations
 
 import re
 import tempfile
+import warnings
 from pathlib import Path
 
 import yaml
@@ -37,13 +41,23 @@ def register_checkpoint(checkpoint: Path, name: str, tags: dict | None = None, d
     import mlflow
     from mlflow import MlflowClient
 
-    info = mlflow.pyfunc.log_model(
-        name="checkpoint",
-        python_model=str(PYFUNC_CODE),
-        artifacts={"checkpoint": str(checkpoint)},
-        registered_model_name=name,
-        pip_requirements=["sala"],
-    )
+    from registry.wheel import project_wheel
+
+    wheel = project_wheel()
+    with warnings.catch_warnings():
+        # No input example: MLflow would validate one by loading the model and generating with it
+        # at log time (a 9B checkpoint, on a driver that may have no GPU); the signature says it all.
+        warnings.filterwarnings("ignore", message=".*An input example was not provided")  # after its colour code
+        info = mlflow.pyfunc.log_model(
+            name="checkpoint",
+            python_model=str(PYFUNC_CODE),
+            artifacts={"checkpoint": str(checkpoint), "wheel": str(wheel)},
+            registered_model_name=name,
+            signature=pyfunc_signature(),
+            # Where MLflow puts the wheel in the model directory, the one it installs the
+            # requirements from; pip reads the name and version from the file name.
+            pip_requirements=[f"artifacts/{wheel.name}"],
+        )
     version = str(info.registered_model_version)
     client = MlflowClient()
     for k, v in (plan_tags(checkpoint) | (tags or {})).items():
@@ -51,6 +65,21 @@ def register_checkpoint(checkpoint: Path, name: str, tags: dict | None = None, d
     if description:
         client.update_model_version(name, version, description=description)
     return version
+
+
+def pyfunc_signature():
+    """What registry/sala_pyfunc.py takes: a column of prompt strings, and the sampling params it
+    honours with their defaults (MLflow fills in those a request leaves out, and drops with a
+    warning any param a model's signature does not list)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+                          params=ParamSchema([ParamSpec("max_new_tokens", "long", 32),
+                                              ParamSpec("temperature", "double", 0.0),
+                                              ParamSpec("top_p", "double", 1.0),
+                                              ParamSpec("top_k", "long", 0),
+                                              ParamSpec("seed", "long", None)]))
 
 
 def plan_tags(checkpoint: Path) -> dict[str, str]:

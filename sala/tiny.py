@@ -290,7 +290,8 @@ def ensure_tiny_sala(progress: bool = True, rebuild: bool = False) -> Path:
     with _file_lock(target.parent / f".{target.name}.lock", "another process is building tiny-sala; waiting for it" if progress else None):
         if rebuild or not (target / "manifest.json").exists():
             if progress:
-                print(f"building tiny-sala, the default model, into {target}: once, about 4 minutes on 2 CPU cores",
+                print(f"building tiny-sala, the default model, into {target}: once, 4-10 minutes on 2 CPU cores "
+                      "(the more they are busy with other work, the longer)",
                       file=sys.stderr, flush=True)
             build(target, progress)
     return target

@@ -14,8 +14,10 @@ name any of them, or none.
 """
 import argparse
 import os
+import shlex
 import signal
 import sys
+import sysconfig
 import threading
 
 from ray import serve
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="sala", route_prefix="/")
-    stop_cmd = "serve shutdown -y"
+    # The serve CLI beside this interpreter, by its full path: the printed command runs from any
+    # shell, whether or not this environment's bin directory is on its PATH.
+    stop_cmd = f"{shlex.quote(os.path.join(sysconfig.get_path('scripts'), 'serve'))} shutdown -y"
     if ctx.dashboard_url and ctx.dashboard_url.rsplit(":", 1)[-1] != "8265":
         stop_cmd += f" --address http://{ctx.dashboard_url}"
     if os.environ.get("RAY_AUTH_MODE") == "token":  # set by ray.init when it enabled token auth

@@ -17,6 +17,8 @@ A caller that goes away mid-request cancels its engine requests, which frees the
 """
 from __future__ import annotations
 
+import logging
+import time
 from functools import partial
 from typing import AsyncIterator, Callable
 
@@ -77,7 +79,13 @@ class SalaServer:
         device = gpu_device(num_gpus)  # before the download: a replica without CUDA fails at once
         path = resolve_model_path(model)
         engine = Engine.from_pretrained(path, device=device, batch_invariant=deterministic, **(engine_kwargs or {}))
+        # Most of a replica's start-up, of which Serve itself says only that the replica "has taken
+        # more than 30s to initialize": say what it is and how long it takes.
+        serve_log = logging.getLogger("ray.serve")
+        serve_log.info("warming up the engine for %s: compiling its decode step, usually 15-60 s on CPU", path)
+        start = time.perf_counter()
         engine.warmup()
+        serve_log.info("engine warmed up in %.1f s", time.perf_counter() - start)
         self.metrics = Metrics(engine.info())
         self.client = EngineClient(engine, self.metrics, max_tokens_limit)
         names = served_names(served_model_name) or [model_name(model, path)]

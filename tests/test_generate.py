@@ -5,11 +5,14 @@ Expected texts come from the engine run in this process on the same weights.
 import contextlib
 import io
 import json
+import logging
+import warnings
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from ray.util.annotations import RayDeprecationWarning
 
 from pipelines import generate
 from sala.engine import SamplingParams
@@ -25,23 +28,43 @@ def mlflow_store(tmp_path, monkeypatch):
     return uri
 
 
+class RecordedLogs(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def prompts(tiny_sala_dir, n):
     texts = [t for t in heldout_texts(tiny_sala_dir) if len(t) > 80]
     return [texts[i % len(texts)][: 30 + (i * 7) % 90] for i in range(n)]
 
 
-def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, local_ray, mlflow_store, local_engine):
+def test_jsonl_with_malformed_rows(tiny_sala_dir, tmp_path, local_ray, mlflow_store, local_engine):
     rows = prompts(tiny_sala_dir, 200)
     lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(rows)]
     lines[57] = '{"id": 57, "prompt": "unterminated'
+    lines[120] = json.dumps({"id": "one hundred twenty", "prompt": rows[120]})  # an id of another type
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    with contextlib.redirect_stdout(io.StringIO()) as stdout:  # not capsys: Ray's loggers would keep its stream
-        code = generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
-                              "--max-tokens", "4", "--num-cpus", "0.5", "--batch-size", "50", "--logprobs", "2",
-                              "--deterministic"])
+    ray_data_log = RecordedLogs()
+    logging.getLogger("ray.data").addHandler(ray_data_log)
+    try:
+        # The engine actor holds both CPUs.
+        with contextlib.redirect_stdout(io.StringIO()) as stdout, warnings.catch_warnings():  # not capsys: Ray's
+            warnings.simplefilter("error", RayDeprecationWarning)  # loggers would keep its stream
+            code = generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
+                                  "--max-tokens", "4", "--batch-size", "50", "--logprobs", "2", "--deterministic",
+                                  "--num-cpus", "2"])
+    finally:
+        logging.getLogger("ray.data").removeHandler(ray_data_log)
     assert code == 0
+    # Reading, parsing and writing take no CPU from the engine actors: nothing waits for one, nor
+    # does Ray Data see none free as the job ends ("The Dataset job will hang").
+    assert not [m for m in ray_data_log.messages if "available CPUs" in m]
     printed = stdout.getvalue()
     print(printed)
     # The error row's token counts are null, and the columns stay integers: in the Parquet schema,
@@ -52,15 +75,19 @@ def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, local_ray, mlflow
     df = pd.read_parquet(out)
     print(df.dtypes[list(generate.TOKEN_COUNTS)].to_dict(), df[list(generate.TOKEN_COUNTS)].sum().to_dict())
     assert all(str(df[c].dtype) == "Int64" for c in generate.TOKEN_COUNTS)
-    assert df["num_generated_tokens"].isna().sum() == 1 and isinstance(df["num_generated_tokens"].sum().item(), int)
-    table = pq.read_table(str(out)).to_pandas()
+    assert df["num_generated_tokens"].isna().sum() == 2 and isinstance(df["num_generated_tokens"].sum().item(), int)
+    table = pq.read_table(str(out))
+    # The lines' fields are columns, typed as the file's lines have them, beside the generated ones.
+    assert table.schema.names[:2] == ["id", "prompt"] and table.schema.field("id").type == pa.int64()
+    table = table.to_pandas()
     assert len(table) == 200
     bad = table[table[generate.ERROR].notna()]
-    assert list(bad.index) == [57] and "not valid JSON" in bad[generate.ERROR].iloc[0]
+    assert list(bad.index) == [57, 120] and "not valid JSON" in bad[generate.ERROR][57]
+    assert "another type" in bad[generate.ERROR][120] and "'one hundred twenty'" in bad[generate.ERROR][120]
     assert bad["generated_text"].isna().all()
     good = table[table[generate.ERROR].isna()]
-    assert len(good) == 199 and (good["num_generated_tokens"] <= 4).all()
-    assert [json.loads(r)["id"] for r in good["record"]] == [i for i in range(200) if i != 57]
+    assert len(good) == 198 and (good["num_generated_tokens"] <= 4).all()
+    assert list(good["id"]) == [i for i in range(200) if i not in (57, 120)] and list(good["prompt"]) == list(good.index.map(rows.__getitem__))
     expected = local_engine.generate([rows[i] for i in (0, 1, 199)], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
     for i, c in zip((0, 1, 199), expected):
         assert table["generated_text"][i] == c.text
@@ -71,7 +98,7 @@ def test_jsonl_with_one_malformed_row(tiny_sala_dir, tmp_path, local_ray, mlflow
 
     mlflow.set_tracking_uri(mlflow_store)
     (run,) = mlflow.search_runs(experiment_names=["generate"], output_format="list")
-    assert run.data.metrics["rows"] == 200 and run.data.metrics["errors"] == 1
+    assert run.data.metrics["rows"] == 200 and run.data.metrics["errors"] == 2
     assert run.data.metrics["generated_tokens_per_s"] > 0
     assert f"mlflow run {run.info.run_id}" in printed
 

@@ -121,15 +121,28 @@ def test_last_lines_name_a_serve_command_that_works(pipeline_env, quantize_run):
     import httpx
     from mlflow import MlflowClient
 
+    from pipelines import generate
+
     _, r = quantize_run
-    tail = r.stdout.rstrip().splitlines()[-5:]
+    lines = r.stdout.rstrip().splitlines()
+    tail = lines[lines.index("next steps"):]
     print("\n".join(tail))
-    assert tail[0] == "next steps"
     steps = {line[:15].strip(): line[15:].strip() for line in tail[1:] if line[:15].strip()}
     serve_cmd = steps["serve it"]
     assert "-m serve.app --model models:/tiny-q@champion" in serve_cmd
     assert f"MLFLOW_TRACKING_URI={pipeline_env['MLFLOW_TRACKING_URI']}" in serve_cmd
     assert "--model models:/tiny-q@champion --dataset" in steps["batch"]
+    # What PROMPTS.jsonl holds: the example line has the field generate.py reads prompts from.
+    (example,) = [line for line in tail if "PROMPTS.jsonl: " in line]
+    assert generate.parse_args(["--dataset", "d", "--output", "o"]).prompt_column in json.loads(example.split("e.g. ")[1])
+    # MLflow's own server of the registered version: it starts uvicorn from PATH, which the command
+    # sets to find it there even from a shell whose PATH lacks this environment.
+    words = shlex.split(steps["MLflow serve"])
+    n = next(i for i, w in enumerate(words) if not re.fullmatch(r"[A-Z_]+=.*", w))
+    assigned, argv = dict(w.split("=", 1) for w in words[:n]), words[n:]
+    assert assigned["MLFLOW_TRACKING_URI"] == pipeline_env["MLFLOW_TRACKING_URI"] and os.access(argv[0], os.X_OK)
+    assert argv[1:] == ["models", "serve", "-m", "models:/tiny-q@champion", "--env-manager", "local", "--port", "5001"]
+    assert shutil.which("uvicorn", path=assigned["PATH"].replace("$PATH", "/usr/bin:/bin"))
     run_id = MlflowClient(pipeline_env["MLFLOW_TRACKING_URI"]).search_runs(
         [MlflowClient(pipeline_env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("sala-quantize").experiment_id])[0].info.run_id
     assert pipeline_env["MLFLOW_TRACKING_URI"] in steps["MLflow UI"] and run_id in steps["MLflow UI"]

@@ -1,8 +1,24 @@
-"""Resolving --model values (registry.models) without MLflow: directories, and the default
-model, which resolution finds but never builds (a Serve replica must not train tiny-sala)."""
+"""The registry (registry/): resolving --model values (directories, and the default model, which
+resolution finds but never builds: a Serve replica must not train tiny-sala), Ctrl-C during an
+MLflow write, and a registered version as MLflow serves it: its requirements resolve, offline, to
+this project's wheel, and its pyfunc generates what the model's own greedy forward does."""
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
 import pytest
+import torch
+from packaging.requirements import Requirement
+from setuptools.config.pyprojecttoml import read_configuration
 
 from registry.models import ModelSpecError, default_model, resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_default_model_is_found_never_built(tmp_path, monkeypatch, tiny_sala_dir):
@@ -59,3 +75,76 @@ def test_ctrl_c_during_an_mlflow_write_waits_for_the_write(tmp_path, monkeypatch
     stored = mlflow.MlflowClient().get_run(run.info.run_id)
     assert stored.info.status == "KILLED"
     assert stored.data.metrics["layers_done"] == 3
+
+
+@torch.no_grad()
+def greedy_text(model, tokenizer, prompt: str, n: int) -> str:
+    """The model's full forward, argmax n times, as text: what a greedy pyfunc must return."""
+    ids = tokenizer(prompt)["input_ids"]
+    out = []
+    for _ in range(n):
+        out.append(int(model(torch.tensor([ids + out]), use_cache=False).logits[0, -1].argmax()))
+    assert not set(out) & set(tokenizer.all_special_ids), "pick prompts the model does not end within n tokens"
+    return tokenizer.decode(out)
+
+
+def test_registered_model_installs_this_project_and_generates_through_the_engine(tiny_sala_dir, tmp_path, monkeypatch,
+                                                                               one_torch_thread):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.pyfunc.scoring_server import invocations
+
+    from registry.models import register_checkpoint, set_alias
+    from registry.tracking import setup_mlflow
+    from sala.checkpoint import load_model
+
+    monkeypatch.setenv("SALA_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    setup_mlflow("registry-test")
+    set_alias("tiny-sala-nvfp4", "champion", register_checkpoint(tiny_sala_dir, "tiny-sala-nvfp4"))
+    uri = "models:/tiny-sala-nvfp4@champion"
+
+    # The model's requirements, as MLflow installs them (in the model's directory), resolve with no
+    # index at all: the one thing to install is this project's wheel, whose dependencies are
+    # pyproject's and are already here; every module of this checkout is in it, byte for byte.
+    local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "model")))
+    print((local / "requirements.txt").read_text())
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet", "--report",
+                        str(tmp_path / "report.json"), "-r", "requirements.txt"], cwd=local, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    installs = json.loads((tmp_path / "report.json").read_text())["install"]
+    project = read_configuration(ROOT / "pyproject.toml")["project"]
+    assert [i["metadata"]["name"] for i in installs] == [project["name"]] == ["minicpm-sala-engine"], \
+        [(i["metadata"]["name"], i["metadata"]["version"]) for i in installs]
+    (ours,) = installs
+    assert re.fullmatch(re.escape(project["version"]) + r"\+src\.[0-9a-f]{12}", ours["metadata"]["version"])
+    wanted = {Requirement(d).name for d in project["dependencies"]}
+    assert {Requirement(d).name for d in ours["metadata"]["requires_dist"] if "extra ==" not in d} == wanted
+    wheel = Path(url2pathname(urlparse(ours["download_info"]["url"]).path))
+    assert wheel.parent == local / "artifacts"
+    with zipfile.ZipFile(wheel) as z:
+        modules = [n for n in z.namelist() if n.endswith(".py")]
+        assert "registry/sala_pyfunc.py" in modules and "sala/engine/engine.py" in modules
+        assert all(z.read(n) == (ROOT / n).read_bytes() for n in modules)
+
+    # Loaded from the registry, the pyfunc generates with the engine what the model's own greedy
+    # forward does, honouring max_new_tokens; so does a request as `mlflow models serve` gets it:
+    # the README's, parsed by MLflow's scoring server, with its params kept (the signature lists them).
+    model = mlflow.pyfunc.load_model(uri)
+    base = load_model(tiny_sala_dir)
+    tokenizer = model.unwrap_python_model().engine.tokenizer
+    prompts = ["The for statement", "def fib(n):", "A list is"]
+    assert model.predict(prompts, params={"max_new_tokens": 5}) == [greedy_text(base, tokenizer, p, 5) for p in prompts]
+    bodies = re.findall(r"curl -s 127.0.0.1:5001/invocations .* -d '(.*)'", (ROOT / "README.md").read_text())
+    assert len(bodies) == 2  # the main job's next steps, and "Serve it with MLflow"
+    for body in bodies:
+        request = json.loads(body)
+        answer = invocations(body, "application/json", model, model.metadata.get_input_schema())
+        assert answer.status == 200, answer.response
+        n = request["params"]["max_new_tokens"]
+        assert json.loads(answer.response)["predictions"] == [greedy_text(base, tokenizer, p, n) for p in request["inputs"]]
+    # A bad param is the caller's error, answered 400 with one line (not "an unexpected error" and a traceback).
+    with pytest.raises(MlflowException, match=r"temperature must be finite and >= 0, got -1.0$") as e:
+        invocations(json.dumps({"inputs": ["x"], "params": {"temperature": -1.0}}), "application/json", model,
+                    model.metadata.get_input_schema())
+    assert e.value.get_http_status_code() == 400

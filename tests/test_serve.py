@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -549,10 +550,11 @@ def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
         assert printed[2] == "stop" or printed[1].strip(), "64 tokens streamed and none printed"
         # The README's stop instruction, as the server printed it (with its dashboard's address
         # when that is not Ray's default).
+        # It names this environment's serve script by its full path, and runs without it on PATH.
         (readme_stop,) = [c for c in shell_commands(section, "RAY_AUTH_MODE=token")]
-        assert stop_cmd.startswith(readme_stop)
+        assert stop_cmd.startswith(readme_stop.replace(".venv/bin/serve", os.path.join(sysconfig.get_path("scripts"), "serve")))
         stop = subprocess.run(["bash", "-c", stop_cmd], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+                              env={**os.environ, "PATH": "/usr/bin:/bin"})
         assert stop.returncode == 0 and "Sent shutdown request" in stop.stdout + stop.stderr, stop.stdout + stop.stderr
         log = finish(proc, out)
     finally:
@@ -561,6 +563,8 @@ def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
             proc.wait()
     print(log[-1500:])
     assert proc.returncode == 0 and "Serve was shut down; exiting" in log
+    # The replica said what its start-up was doing, and how long that took.
+    assert "warming up the engine for " in log and re.search(r"engine warmed up in \d+\.\d s", log)
     assert "Traceback" not in log and "SIGTERM received" not in log
 
 
