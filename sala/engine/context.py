@@ -148,6 +148,19 @@ class StepContext:
         be read by a graph captured over them."""
         return dataclasses.replace(self, **{f: getattr(self, f)[:n] for f in padding_values(self.cache)})
 
+    def padded(self, rows: int, width: int) -> StepContext:
+        """This decode context with padding rows up to `rows` and scratch-page columns up to
+        `width` (a new context; only the tensors short of them are copied)."""
+        out = {}
+        for name, value in padding_values(self.cache).items():
+            t = getattr(self, name)
+            if name == "block_tables" and t.shape[1] < width:
+                t = torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], 1)
+            if t.shape[0] < rows:
+                t = torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+            out[name] = t
+        return dataclasses.replace(self, **out)
+
     def copy_into(self, dst: StepContext) -> None:
         """This decode context into the first rows and page-table columns of a larger one,
         padding in the rest."""

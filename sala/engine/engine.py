@@ -347,9 +347,10 @@ class Engine:
         if not reqs:
             return
         tokens = sample(logits, reqs, self.eos_ids)
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        scored = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])
-        logprobs = dict(zip(want, scored))
+        logprobs = {}
+        if want := [i for i, r in enumerate(reqs) if r.params.logprobs is not None]:
+            scored = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])
+            logprobs = dict(zip(want, scored))
         for i, (r, token) in enumerate(zip(reqs, tokens)):
             self._append(r, token, logprobs.get(i))
 

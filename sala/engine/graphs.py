@@ -102,10 +102,10 @@ class CompiledDecode(CompiledStep):
 
     def __call__(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         n, width = ids.shape[0], ctx.block_tables.shape[1]
+        if n < self.MIN_ROWS:
+            ids = torch.cat([ids, ids.new_zeros(self.MIN_ROWS - n)])
         if n < self.MIN_ROWS or width < self.MIN_WIDTH:
-            padded = decode_padding(ctx.cache, max(n, self.MIN_ROWS), max(width, self.MIN_WIDTH))
-            ctx.copy_into(padded)
-            ids, ctx = torch.cat([ids, ids.new_zeros(padded.num_decode - n)]), padded
+            ctx = ctx.padded(self.MIN_ROWS, self.MIN_WIDTH)
         tensors = (ids, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens, ctx.state_slots)
         logits = self.run(ids, ctx, dynamic=rows_dynamic(*tensors) + [(ctx.block_tables, 1)])
         return None if logits is None else logits[:n]
