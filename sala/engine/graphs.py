@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 
 import torch
 from torch.utils import _pytree as pytree
@@ -32,7 +33,13 @@ class CompiledStep:
     (cpp_wrapper: measured ~20% off a batch-8 step). After the first call compiled, guards are
     not evaluated (skip_guard_eval_unsafe: over a hundred parameter and pool tensors, ~0.5 ms a
     step): callers pad inputs so that one graph serves every step. If compiling fails (no C++
-    compiler, an unsupported op) the engine says so once and stays eager."""
+    compiler, an unsupported op, more graphs than dynamo's recompile limit) the engine says so
+    once and stays eager.
+
+    torch.compile keeps its graphs per code object, and a method's code is shared by every
+    instance: with guards skipped, a second engine in the process could run the first one's graph
+    (another pool, another cache layout), and every engine would share one recompile limit. So
+    each step compiles its own copy of the code."""
 
     # Inductor specialises size-1 dimensions (more graphs) and lays a size-1 batch out with
     # stride 0, which sends every GEMM to a slow non-BLAS path: batches and page tables are
@@ -41,7 +48,9 @@ class CompiledStep:
     what = "the decode step"
 
     def __init__(self):
-        self.fn = torch.compile(self._unflattened, dynamic=True, options={"cpp_wrapper": True})
+        code = CompiledStep._unflattened.__code__.replace()  # equal, but its own object
+        own = types.FunctionType(code, CompiledStep._unflattened.__globals__, "_unflattened")
+        self.fn = torch.compile(types.MethodType(own, self), dynamic=True, options={"cpp_wrapper": True})
         self.spec: pytree.TreeSpec | None = None
         self.failed = False
         self.seconds: float | None = None  # compiling took, once compiled
@@ -73,7 +82,8 @@ class CompiledStep:
                 pass
         t0 = time.perf_counter()
         try:
-            out = self.fn(*leaves)
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # not a silent eager run
+                out = self.fn(*leaves)
         except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
             self.failed = True
             log.warning("compiling %s failed, running eager: %s", self.what,
