@@ -32,7 +32,7 @@ step() {  # name, time limit in seconds, command...
   summary+=("$(printf '%-16s exit %-3s %4ss of %ss' "$name" "$rc" "$((SECONDS - start))" "$limit")")
   [ "$rc" = 0 ] || status=1
 }
-step gpu_tests 100 "$PY" -m pytest -q -m gpu tests/test_paged_attention.py tests/test_kv_kernels.py tests/test_nvfp4_gemm.py tests/test_engine.py tests/test_sampling_controls.py tests/test_block_sparse_attention.py tests/test_prefill_kernels.py
+step gpu_tests 100 "$PY" -m pytest -q -m gpu tests/kernels tests/engine
 step tune 80 "$PY" bench/tune_kernels.py
 step nvfp4_gemm 40 "$PY" bench/nvfp4_gemm_gpu.py
 step paged_attention 40 "$PY" bench/paged_attention_gpu.py

@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30, help="graph replays per measurement (median taken)")
     ap.add_argument("--peak-gbps", type=float, help="HBM peak in GB/s (default: from the device properties)")
     args = ap.parse_args()
-    require_gpu(__file__, "the kernels' CPU checks are in tests/test_kv_kernels.py")
+    require_gpu(__file__, "the kernels' CPU checks are in tests/kernels/test_kv_kernels.py")
 
     from sala.kv import KVPages, decode_attention, make_codec
     from sala.kv.pages import decode_attention_reference

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests/ holds the 9B config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for sala/
 
 from sala.checkpoint import load_model
 from sala.config import SALAConfig

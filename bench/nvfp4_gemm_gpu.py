@@ -39,7 +39,7 @@ ROWS = [1, 16, 128]
 GOAL = 0.70
 
 
-def require_gpu(script: str = __file__, on_cpu: str = "the kernel's CPU checks are in tests/test_nvfp4_gemm.py") -> None:
+def require_gpu(script: str = __file__, on_cpu: str = "the kernel's CPU checks are in tests/kernels/test_nvfp4_gemm.py") -> None:
     """Exit with one line unless a CUDA GPU and real (not interpreted) Triton are here; every GPU bench calls it."""
     if not torch.cuda.is_available():
         sys.exit(f"bench/{os.path.basename(script)} needs a CUDA GPU: torch.cuda.is_available() is False on this machine "

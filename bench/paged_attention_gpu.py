@@ -44,7 +44,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30, help="graph replays per measurement (median taken)")
     ap.add_argument("--peak-gbps", type=float, help="HBM peak in GB/s (default: from the device properties)")
     args = ap.parse_args()
-    require_gpu(__file__, "the kernel's CPU checks are in tests/test_paged_attention.py")
+    require_gpu(__file__, "the kernel's CPU checks are in tests/kernels/test_paged_attention.py")
 
     from kernels.paged_attention import SPLIT_LEN, paged_decode_attention_reference, paged_decode_attention_triton
 

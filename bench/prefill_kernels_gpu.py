@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--peak-bf16-tflops", type=float, default=989.0, help="dense bf16 tensor-core peak")
     ap.add_argument("--peak-fp32-tflops", type=float, default=67.0, help="fp32 (non-tensor) peak")
     args = ap.parse_args()
-    require_gpu(__file__, "the kernels' CPU checks are in tests/test_prefill_kernels.py")
+    require_gpu(__file__, "the kernels' CPU checks are in tests/kernels/test_prefill_kernels.py")
 
     from kernels.lightning_prefill import lightning_prefill_triton
     from kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton

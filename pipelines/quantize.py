@@ -51,7 +51,7 @@ from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 #   RTN-4/6       0.0147   10.7%    0.989
 #   RTN-M6        0.0168   11.4%    0.987
 #   broken        0.1129   29.4%    0.922    (GPTQ-4/6 of the weights + noise of 0.25 x their RMS)
-#   this pipeline, tests/test_quantize_pipeline.py's run (GPTQ-4/6, 24 x 128 calibration, sequential):
+#   this pipeline, tests/pipelines/test_quantize_pipeline.py's run (GPTQ-4/6, 24 x 128 calibration, sequential):
 #                 0.0118    9.4%    0.991
 #   noise alone   0.1083   27.2%    0.926    (0.25 x RMS, not quantized: test_gate_refuses_a_broken_checkpoint)
 # The limits sit at ~2.6x the measured GPTQ-4/6 KL (room for calibration sets and seeds) and ~4x

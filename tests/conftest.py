@@ -6,6 +6,7 @@ imports triton, which is why it lives here and not in a fixture.
 import contextlib
 import os
 import socket
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -13,18 +14,28 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end pipeline tests (still run in CI)")
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
 
 
+# The suite runs on two pytest-xdist workers (pyproject's addopts), a module at a time on one of
+# them, so that a module's server or engine starts once. Tests that share a session checkpoint
+# built here (Medusa heads trained, the quantize pipeline run) all go to one worker: each worker
+# would build its own.
+SHARED_CHECKPOINTS = {"medusa_checkpoint", "quantize_run"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        shared = SHARED_CHECKPOINTS & set(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("shared-checkpoints" if shared else item.module.__name__))
+        if skip and "gpu" in item.keywords:
             item.add_marker(skip)
 
 
@@ -84,11 +95,10 @@ def assert_gpu_bench_refuses_cpu(script: str) -> None:
     import io
     import runpy
     import sys
-    from pathlib import Path
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the bench would run for real")
-    bench = Path(__file__).resolve().parents[1] / "bench" / script
+    bench = ROOT / "bench" / script
     stderr, argv, path, threads = io.StringIO(), sys.argv, list(sys.path), torch.get_num_threads()
     sys.argv, sys.path[:0] = [str(bench)], [str(bench.parent)]  # as the interpreter sets them for a script
     try:
@@ -206,9 +216,8 @@ def pipeline_env(tmp_path_factory):
 def run_pipeline(env, *args, check=True, extra_env=None):
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "pipelines" / "quantize.py"
+    script = ROOT / "pipelines" / "quantize.py"
     r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                        env={**env, **(extra_env or {})}, timeout=600)
     if check and r.returncode != 0:

@@ -26,7 +26,7 @@ a state only exists where a forward stopped, so it cannot be cut out at an arbit
 Outputs do not change: shared K/V and snapshots are what the request would have computed
 itself. In the evaluation mode (batch_invariant) they are bit for bit that: there a prompt may
 only be cut at multiples of lightning.CHUNK_SIZE, so only snapshots at such positions are used,
-and logprobs with reuse equal those without it bitwise (tests/test_prefix.py). Elsewhere they
+and logprobs with reuse equal those without it bitwise (tests/engine/test_prefix.py). Elsewhere they
 are equal as outputs of differently batched steps are, to rounding.
 
 The trie is exact (children are keyed by the token tuples themselves, so no hash collision can

@@ -6,7 +6,7 @@ paths the engine had before formats existed. On CUDA, writes quantize with the T
 of kernels/kv_quant.py and decode attention reads FP8 / NVFP4 pages with the Triton kernel of
 kernels/paged_attention.py, dequantizing in registers; elsewhere (CPU) writes quantize with the
 codec's torch code and decode attention dequantizes the batch's pages into the compute dtype
-before the dense torch reference. Both store the same bits (tests/test_kv_kernels.py).
+before the dense torch reference. Both store the same bits (tests/kernels/test_kv_kernels.py).
 """
 from __future__ import annotations
 

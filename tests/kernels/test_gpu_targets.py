@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +15,10 @@ from kernels.kv_quant import fp8_write_triton, nvfp4_write_triton
 from kernels.nvfp4_gemm import nvfp4_matmul_triton
 from kernels.paged_attention import PagedKV, paged_decode_attention_pages_triton
 from kernels.target import TARGETS, UnsupportedGPU, require_supported, standing_in
+from tests.conftest import ROOT
 
 triton = pytest.importorskip("triton")
 tl = triton.language
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def compiler_env() -> dict:

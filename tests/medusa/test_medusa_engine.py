@@ -17,7 +17,7 @@ from sala.engine import Engine, SamplingParams
 from sala.kv.plan import KVPlan
 from sala.medusa.heads import load_heads
 from sala.tiny import heldout_texts
-from tests.test_engine import nvfp4_model
+from tests.engine.test_engine import nvfp4_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL, free_port, mixed_plan, run_pipeline
+from tests.conftest import ROOT, SMALL, free_port, mixed_plan, run_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
 # Runs that check bytes, not the gate's figures, score 8 prompts instead of the gate's 64.
 FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 GATE_PASSED = re.compile(r"gate \(KL <= [\d.]+, flips <= \d+%, cosine >= [\d.]+\) passed")
@@ -295,22 +294,35 @@ def test_ray_job_submit(pipeline_env, tiny_sala_dir, tmp_path):
     ray_bin = str(Path(sys.executable).parent / "ray")
     port, dash = free_port(), free_port()
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    start = subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                            f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
-                            "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
-                           env=e, capture_output=True, text=True)
-    assert start.returncode == 0, start.stderr
+    # A head of its own in the foreground (--block), stopped through its process group: `ray stop`
+    # stops every Ray on the machine, the other test worker's too.
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+                             "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
+                            env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = tmp_path / "job-out"
     try:
-        job = subprocess.run(
-            [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", str(ROOT),
-             "--runtime-env-json", json.dumps({"env_vars": {k: e[k] for k in ("SALA_HOME", "MLFLOW_TRACKING_URI")},
-                                               "excludes": [".venv", ".git"]}),
-             "--", "python", "pipelines/quantize.py", "--model", str(tiny_sala_dir), "--output", str(out),
-             "--no-register", "--mode", "parallel", *FEW_GATE_PROMPTS],
-            env=e, capture_output=True, text=True, timeout=600)
-    finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=e, capture_output=True)
+        started = []
+        for line in head.stdout:
+            started.append(line)
+            if "Ray runtime started" in line:
+                break
+        assert head.poll() is None, "".join(started[-30:])
+        threading.Thread(target=head.stdout.read, daemon=True).start()  # it keeps writing; never block it
+        submit = [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", str(ROOT),
+                  "--runtime-env-json", json.dumps({"env_vars": {k: e[k] for k in ("SALA_HOME", "MLFLOW_TRACKING_URI")},
+                                                    "excludes": [".venv", ".git"]}),
+                  "--", "python", "pipelines/quantize.py", "--model", str(tiny_sala_dir), "--output", str(out),
+                  "--no-register", "--mode", "parallel", *FEW_GATE_PROMPTS]
+        deadline = time.monotonic() + 120
+        # The head's job agent comes up after "Ray runtime started"; until then Ray answers "try again later".
+        while "No available agent to submit job" in (job := subprocess.run(submit, env=e, capture_output=True, text=True,
+                                                                            timeout=600)).stderr:
+            assert time.monotonic() < deadline, job.stderr[-2000:]
+            time.sleep(1)
+    finally:  # SIGKILL: nothing of this cluster is kept, and SIGTERM's orderly stop takes ~30 s
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "succeeded" in (job.stdout + job.stderr)

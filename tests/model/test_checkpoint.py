@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sala.checkpoint import CheckpointError, load_model, save_checkpoint
-from tests.test_model import random_model
+from tests.model.test_model import random_model
 
 
 def same_weights(a, b):

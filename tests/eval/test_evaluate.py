@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +16,8 @@ from pipelines.evaluate import builtin_rows, tokenize_prompts
 from pipelines.logprob_client import HTTPSource
 from sala.eval import logprob as lp
 from sala.eval.engine_source import EngineSource
-from tests.conftest import free_port, serve_tiny_sala
+from tests.conftest import ROOT, free_port, serve_tiny_sala
 
-ROOT = Path(__file__).resolve().parents[1]
 TOP_K = 32  # the whole pipeline at a smaller k keeps the test fast; the divergence at 256 is test_logprob's
 
 

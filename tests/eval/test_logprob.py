@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,8 +21,7 @@ from sala.eval.logprob import (
     top_k,
     untied_departures,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

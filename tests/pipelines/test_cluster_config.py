@@ -15,9 +15,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from tests.conftest import free_port
+from tests.conftest import ROOT, free_port
 
-ROOT = Path(__file__).parents[1]
 CLUSTER = yaml.safe_load((ROOT / "cluster.yaml").read_text())
 COMMANDS = [c for key in ("setup_commands", "head_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")
             for c in CLUSTER[key]]

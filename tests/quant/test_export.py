@@ -19,7 +19,7 @@ from sala.quant.export import export_checkpoint
 from sala.quant.layerwise import apply_quantized, quantize_model
 from sala.quant.linear import NVFP4Linear
 from sala.quant.load import load_quantized_model
-from tests.test_model import random_model
+from tests.model.test_model import random_model
 
 # Every in-feature (hidden 64, intermediate 96, heads x head_dim 64) is a multiple of 16;
 # vocab 101 is not, which only lm_head sees, and lm_head stays BF16.

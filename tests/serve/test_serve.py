@@ -22,12 +22,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from sala.engine import SamplingParams
-from tests.conftest import free_port, serve_tiny_sala
+from tests.conftest import ROOT, free_port, serve_tiny_sala
 
 API_KEY = "test-key"
 MODEL = "tiny-sala"
 ALIAS = "sala-alias"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

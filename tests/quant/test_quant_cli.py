@@ -3,7 +3,6 @@ prints, and the one-line errors (exit 2, nothing written) for bad input."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +10,8 @@ import torch
 from sala.checkpoint import load_model
 from sala.quant.__main__ import main
 from sala.quant.linear import NVFP4Linear
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-samples", "4", "--seq-len", "64", "--eval-sequences", "4"]
 
 

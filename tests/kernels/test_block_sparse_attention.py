@@ -55,7 +55,7 @@ def test_block_sparse_kernel_on_cuda_at_the_9b_shapes():
 
 def test_stage1_kernel_and_reference_match_sala_selection_scores():
     """The Triton stage-1 kernel (interpreter) equals its torch reference, which sala/sparse.py's
-    selection runs on CPU (tests/test_sparse.py checks it against the naive spec reference)."""
+    selection runs on CPU (tests/model/test_sparse.py checks it against the naive spec reference)."""
     from kernels.stage1_scores import stage1_scores_reference, stage1_scores_triton
 
     s = sparse.SparseSettings(block_size=16, dense_len=0, init_blocks=1, kernel_size=8, kernel_stride=4, topk=3, window_size=32)

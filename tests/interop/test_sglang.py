@@ -1,8 +1,8 @@
 """SGLang 0.5.23's own loader on checkpoints this project wrote: the quantize pipeline's NVFP4
 output with a cache plan, tiny-sala (dense), tiny-sala with medusa/, and a random model with
 the 9B head layout (16 query heads per KV head, which SGLang's sparse backend requires) in
-BF16 and NVFP4. tests/sglang_load.py runs SGLang's config parsing, quantization config, model
-class and load_weights in SGLang's own environment (tests/sglang_env.py); here what SGLang holds
+BF16 and NVFP4. tests/interop/sglang_load.py runs SGLang's config parsing, quantization config, model
+class and load_weights in SGLang's own environment (tests/interop/sglang_env.py); here what SGLang holds
 is compared with our files read with safetensors: packed weights, block and global scales,
 fused rows in order, norms and embeddings, K/V scales, every tensor's shape and dtype."""
 import copy
@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.sglang_env import EnvUnavailable, ensure_env
+from tests.conftest import ROOT
+from tests.interop.sglang_env import EnvUnavailable, ensure_env
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 # SGLang's fused parameter -> our projections, in the order its rows hold them
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -38,7 +38,7 @@ def nine_b_heads(tmp_path_factory):
     from sala.checkpoint import save_checkpoint
     from sala.quant.export import export_checkpoint
     from sala.quant.layerwise import quantize_model
-    from tests.test_model import random_model
+    from tests.model.test_model import random_model
 
     model = random_model(hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=32,
                          num_key_value_heads=2, head_dim=8, lightning_nkv=32, mixer_types=["minicpm4", "lightning-attn"])
@@ -59,7 +59,7 @@ def checkpoints(tiny_sala_dir, medusa_checkpoint, quantize_run, nine_b_heads):
 def loaded(sglang_python, checkpoints, tmp_path_factory):
     """{checkpoint name: (its directory, SGLang's report, the parameters SGLang holds)}."""
     out = tmp_path_factory.mktemp("sglang")
-    r = subprocess.run([str(sglang_python), str(ROOT / "tests" / "sglang_load.py"), str(out),
+    r = subprocess.run([str(sglang_python), str(ROOT / "tests" / "interop" / "sglang_load.py"), str(out),
                         *map(str, checkpoints.values())], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})  # local directories only: nothing from a hub
     assert r.returncode == 0, r.stderr[-3000:]

@@ -3,7 +3,6 @@ reference against compressed-tensors and float64, and the quantized Linear aroun
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear, nvfp4_m
 from kernels.target import TARGETS, standing_in
 from sala.quant.linear import NVFP4Linear
 from sala.quant.nvfp4 import quantize_rtn
-from tests.conftest import assert_gpu_bench_refuses_cpu
+from tests.conftest import ROOT, assert_gpu_bench_refuses_cpu
 
 HAND_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -120,7 +119,7 @@ def test_split_k_rows_do_not_depend_on_the_batch():
 
 def load_bench():
     """bench/nvfp4_gemm_gpu.py as a module (bench/ is not a package); importing it runs nothing."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "nvfp4_gemm_gpu.py"
+    path = ROOT / "bench" / "nvfp4_gemm_gpu.py"
     spec = importlib.util.spec_from_file_location("nvfp4_gemm_gpu", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -17,8 +17,7 @@ from packaging.requirements import Requirement
 from setuptools.config.pyprojecttoml import read_configuration
 
 from registry.models import ModelSpecError, default_model, resolve_model_path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 
 
 def test_default_model_is_found_never_built(tmp_path, monkeypatch, tiny_sala_dir):

@@ -8,7 +8,7 @@ import torch
 from sala import sparse
 from sala.config import ConfigError, SALAConfig
 from sala.sparse import SparseSettings
-from tests.test_model import random_model
+from tests.model.test_model import random_model
 
 SMALL = SparseSettings(block_size=16, dense_len=0, init_blocks=1, kernel_size=8, kernel_stride=4, topk=3, window_size=32)
 

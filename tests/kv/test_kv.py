@@ -161,7 +161,7 @@ def test_decode_attention_over_quantized_pages_equals_attention_over_their_dequa
 
 
 def tiny_config():
-    from tests.test_model import tiny_random_config
+    from tests.model.test_model import tiny_random_config
 
     return tiny_random_config()
 

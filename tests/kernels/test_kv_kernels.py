@@ -8,7 +8,7 @@ import torch
 from kernels.paged_attention import PagedKV, paged_decode_attention_pages_triton
 from sala.kv import KVPages, make_codec
 from sala.kv.pages import decode_attention_reference
-from tests.test_kv import kv_rows, naive_decode_attention
+from tests.kv.test_kv import kv_rows, naive_decode_attention
 
 PAGES, PAGE_SIZE, HKV, D = 9, 4, 2, 32
 
@@ -77,7 +77,7 @@ def decode_problem(k_fmt, v_fmt, dtype, seed=3):
 # (about 3 here), over the cases below: fp32 q 2.1e-7 (the kernel scales scores rather than
 # elements: fp32 rounding only); bf16 q 5.0e-3 for the kernel (p rounded to bf16 for the P.V
 # dot, the output truncated to bf16 by the interpreter: a full ulp), 2.1e-3 for the torch path
-# (which rounds the output to nearest). Bounds about 2x above, as tests/test_paged_attention.py.
+# (which rounds the output to nearest). Bounds about 2x above, as tests/kernels/test_paged_attention.py.
 TOLERANCE = {torch.float32: 5e-7, torch.bfloat16: 1e-2}
 
 

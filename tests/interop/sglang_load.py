@@ -1,8 +1,8 @@
 """Our checkpoints through SGLang's own loading code, run in SGLang's environment
-(tests/sglang_env.py) by tests/test_sglang.py: what `python -m sglang.launch_server
+(tests/interop/sglang_env.py) by tests/interop/test_sglang.py: what `python -m sglang.launch_server
 --model-path DIR` does with a checkpoint before it touches a GPU.
 
-    <sglang env>/bin/python tests/sglang_load.py OUT CHECKPOINT...
+    <sglang env>/bin/python tests/interop/sglang_load.py OUT CHECKPOINT...
 
 Per checkpoint: ServerArgs resolution (with SGLang's MiniCPM-SALA overrides), ModelConfig, the
 quantization config, the model class named by `architectures`, that model built on the CPU,
@@ -49,7 +49,7 @@ class _Placeholder:
         return _Placeholder(f"{self._name}.{attr}")
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name}: a stand-in (tests/sglang_load.py), not the real package")
+        raise RuntimeError(f"{self._name}: a stand-in (tests/interop/sglang_load.py), not the real package")
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

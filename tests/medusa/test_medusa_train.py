@@ -4,7 +4,6 @@ give the validation set's mix."""
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +14,10 @@ from sala.eval.calibration import Row, default_source_rows, guess_task
 from sala.medusa import train
 from sala.medusa.heads import MedusaConfig, MedusaHeads, load_heads
 from sala.tiny import heldout_texts
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

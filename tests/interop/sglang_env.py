@@ -1,4 +1,4 @@
-"""A separate Python environment holding SGLang's real code, for tests/test_sglang.py.
+"""A separate Python environment holding SGLang's real code, for tests/interop/test_sglang.py.
 
 SGLang 0.5.23 pins torch 2.14.1 (a CUDA build), transformers 5.19 and compressed-tensors 0.18,
 against our transformers < 5.6 and compressed-tensors 0.20: it cannot share our environment.
@@ -11,7 +11,7 @@ install from swapping it for sglang's CUDA one).
 Built once per (sglang version, requirement list, torch, triton, Python) under
 $SALA_HOME/envs, in a temporary directory that takes its place only when complete.
 
-    python tests/sglang_env.py      # build it (or find it built) and print its interpreter
+    python tests/interop/sglang_env.py      # build it (or find it built) and print its interpreter
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sala.checkpoint_files import atomic_directory  # noqa: E402
 from sala.home import sala_home  # noqa: E402
