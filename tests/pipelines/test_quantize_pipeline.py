@@ -292,13 +292,15 @@ def test_ray_job_submit(pipeline_env, tiny_sala_dir, tmp_path):
     # Ray 2.60 clusters use token auth: the head and the job client share this token.
     e = {**pipeline_env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     ray_bin = str(Path(sys.executable).parent / "ray")
-    port, dash = free_port(), free_port()
+    port, dash, agent, client = free_port(), free_port(), free_port(), free_port()
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     # A head of its own in the foreground (--block), stopped through its process group: `ray stop`
-    # stops every Ray on the machine, the other test worker's too.
+    # stops every Ray on the machine, the other test worker's too. Its ports are its own: the job
+    # agent's default (52365) is taken by any other Ray here, and then no job can be submitted.
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
-                             "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
+                             f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent}",
+                             f"--ray-client-server-port={client}", "--num-cpus=2", "--disable-usage-stats",
+                             f"--temp-dir={ray_tmp}"],
                             env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = tmp_path / "job-out"
     try:
