@@ -1,5 +1,6 @@
 """The engine's InfLLM-v2 path: paged K/V with compressed keys kept by page, chunked prefill of
 long prompts, sparse decode, against transformers' one-shot prefill and cached decode."""
+import contextlib
 import copy
 
 import pytest
@@ -79,17 +80,17 @@ def reference(model):
 @pytest.mark.parametrize("settings", [dict(max_batch_tokens=128, compile=False), dict(max_batch_tokens=1024, compile=False),
                                       dict(max_batch_tokens=96, compile=True)],
                          ids=["chunked", "one-shot", "chunked+compiled-decode"])
-def test_engine_sparse_path_equals_transformers(model, tokenizer, reference, settings, monkeypatch):
-    if settings["compile"]:
-        # Another compiled engine in this process first, over a pool without compressed keys, and
-        # dynamo allowed one graph per function: this engine must still run its own graph (once
-        # it ran the first engine's, without the window upkeep: logprobs off by 9e-2).
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-        short = Engine(copy.deepcopy(model), tokenizer, max_model_len=255, compile=True)
-        assert not short.cache.compressed
-        short.generate([prompt(8, 4)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        assert short.runner.compile_seconds is not None
-    got = engine_greedy(model, tokenizer, requests(), **settings)
+def test_engine_sparse_path_equals_transformers(model, tokenizer, reference, settings):
+    # Compiled: another compiled engine in this process first, over a pool without compressed keys,
+    # and dynamo allowed one graph per function: this engine must still run its own graph (once it
+    # ran the first engine's, without the window upkeep: logprobs off by 9e-2).
+    with torch._dynamo.config.patch(recompile_limit=1) if settings["compile"] else contextlib.nullcontext():
+        if settings["compile"]:
+            short = Engine(copy.deepcopy(model), tokenizer, max_model_len=255, compile=True)
+            assert not short.cache.compressed
+            short.generate([prompt(8, 4)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            assert short.runner.compile_seconds is not None
+        got = engine_greedy(model, tokenizer, requests(), **settings)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, reference):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < TOL
