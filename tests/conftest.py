@@ -22,21 +22,44 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
 
 
-# The suite runs on two pytest-xdist workers (pyproject's addopts), a module at a time on one of
-# them, so that a module's server or engine starts once. Tests that share a session checkpoint
-# built here (Medusa heads trained, the quantize pipeline run) all go to one worker: each worker
-# would build its own.
+# The suite runs on two pytest-xdist workers (pyproject's addopts), a file at a time on one of
+# them, so that a module's server or engine starts once. The files whose tests share a session
+# checkpoint built here (Medusa heads trained, the quantize pipeline's run) go to one worker as
+# one unit, first: each worker would build its own.
 SHARED_CHECKPOINTS = {"medusa_checkpoint", "quantize_run"}
+SHARED_CHECKPOINT_FILES = {"tests/interop/test_sglang.py", "tests/medusa/test_medusa_engine.py",
+                           "tests/medusa/test_medusa_train.py", "tests/pipelines/test_quantize_pipeline.py"}
+SHARED_UNIT = "the files sharing session checkpoints"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        shared = SHARED_CHECKPOINTS & set(getattr(item, "fixturenames", ()))
-        item.add_marker(pytest.mark.xdist_group("shared-checkpoints" if shared else item.module.__name__))
+        path = item.nodeid.split("::")[0]
+        if SHARED_CHECKPOINTS & set(getattr(item, "fixturenames", ())) and path not in SHARED_CHECKPOINT_FILES:
+            raise pytest.UsageError(f"{item.nodeid} uses a shared session checkpoint: add {path} to "
+                                    "SHARED_CHECKPOINT_FILES in tests/conftest.py")
         if skip and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's by-scope scheduling with a file as the scope, the shared-checkpoint files one scope
+    handed out first. (Not xdist's loadgroup: under pytest 9 its group suffix on node ids has no
+    effect, and every test became a scope of its own, a module's server starting in both workers.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return SHARED_UNIT if path in SHARED_CHECKPOINT_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            if SHARED_UNIT in self.workqueue:
+                self.workqueue.move_to_end(SHARED_UNIT, last=False)
+            super()._assign_work_unit(node)
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -755,7 +755,21 @@ def test_generate_refuses_a_bad_kv_plan_before_ray(tiny_sala_dir, tmp_path, caps
     assert rc == 2 and err.startswith("error: --kv-plan: ") and f"no entry for layer(s) [{config.lightning_layers[0]}]" in err
 
 
-def test_medusa_max_batch_refused_without_medusa_or_when_malformed(tiny_sala_dir, medusa_checkpoint, tmp_path, capsys):
+@pytest.fixture
+def untrained_medusa_checkpoint(tiny_sala_dir, tmp_path):
+    """tiny-sala with Medusa heads as initialised: what the argument checks below read, without
+    the session's training run (tests/conftest.py), which another test worker owns."""
+    from sala.checkpoint import load_model
+    from sala.medusa.heads import MedusaConfig, MedusaHeads
+    from sala.medusa.train import write_medusa_checkpoint
+
+    base = load_model(tiny_sala_dir)
+    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, shared_lm_head=False), base.lm_head)
+    return write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path / "tiny-sala-medusa")
+
+
+def test_medusa_max_batch_refused_without_medusa_or_when_malformed(tiny_sala_dir, untrained_medusa_checkpoint, tmp_path,
+                                                                   capsys):
     """--medusa-max-batch is refused in one line, before Ray starts, when it is not an integer
     >= 0 or 'auto', and when the model is decoded without Medusa (a setting silently ignored)."""
     from pipelines.generate import main as generate_main
@@ -772,8 +786,8 @@ def test_medusa_max_batch_refused_without_medusa_or_when_malformed(tiny_sala_dir
     err = capsys.readouterr().err
     assert err.startswith("error: --medusa-max-batch: ") and "served without Medusa" in err and len(err.splitlines()) == 1
     with pytest.raises(MedusaOff):
-        build_app(str(medusa_checkpoint), medusa=False, medusa_max_batch="auto")
-    build_app(str(medusa_checkpoint), medusa_max_batch="auto")  # with heads: accepted
+        build_app(str(untrained_medusa_checkpoint), medusa=False, medusa_max_batch="auto")
+    build_app(str(untrained_medusa_checkpoint), medusa_max_batch="auto")  # with heads: accepted
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "hi"}\n')
     for value, reason in (("2", "decoded without Medusa"), ("lots", "give an integer >= 0")):
