@@ -23,8 +23,9 @@ accepted path's K/V into the pages and advances the states along it.
 
 What can be derived is: the decode row count is `state_slots`' length, a tree's request count
 its `kv_lens`' length, the prompt chunks' state slots and lengths their spans'. The compiled
-and CUDA-graph decode steps take a context as their one input (`decode_padding` and `rows`
-make the padded and persistent ones), never tensors in a positional order.
+and CUDA-graph decode steps take a context as their one input (`padded` makes the compiled
+step's, `decode_padding` and `rows` the graphs' persistent one), never tensors in a positional
+order.
 """
 from __future__ import annotations
 
