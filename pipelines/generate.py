@@ -17,18 +17,27 @@ than the context. Such a row never fails the job; its token
 counts are null, and stay integers (pandas reads them as nullable Int64). Every input keeps its
 columns beside the generated ones: a jsonl file's fields are columns, typed from all its lines.
 
-One MLflow run per invocation records the parameters and throughput. The output directory is
-written beside its final path and renamed into place when complete.
+The driver reads the dataset in chunks of `--batch-size` rows, each row tagged with its position,
+and writes each chunk's results as one part file once all its rows are back, beside the final
+path (renamed into place when every part is written). A lost engine actor or node costs time,
+not rows: Ray Data restarts the actor and retries its batch. A step that raises is retried a
+row at a time, and a row that fails alone becomes an `__inference_error__` row. Rows are written
+once each, whatever was retried. A driver killed mid-run (or a job
+stopped) keeps the parts already written: the same command resumes, skipping those rows.
+
+One MLflow run per invocation records the parameters and throughput.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python pipelines/generate.py` from a checkout or a Ray working_dir
@@ -39,6 +48,8 @@ import numpy as np  # noqa: E402
 from pipelines.cli import HelpFormatter  # noqa: E402
 
 ERROR = "__inference_error__"
+ROW = "__row__"  # a row's position in the dataset, carried through the engine stage, never written
+LEDGER = "_ledger.json"  # in the partial output: what the parts are of (readers skip files named _*)
 PROMPT_COLUMN = "prompt"  # the default --prompt-column, which the quantize job's next steps name too
 TOKEN_COUNTS = ("num_input_tokens", "num_generated_tokens")
 
@@ -104,22 +115,50 @@ def jsonl_schema(path: str, chunk_lines: int = 4096):
     return pa.schema(list(types.items())), rows
 
 
-def read_dataset(spec: str, kind: str, column: str, split: str | None, schema):
-    import ray
+def input_chunks(spec: str, kind: str, column: str, split: str | None, schema, size: int, skip=frozenset()
+                 ) -> Iterator[tuple[int, object]]:
+    """The dataset in chunks of `size` rows, in order: (first row's position, Arrow table with
+    each row's position in ROW), chunks starting at a position in `skip` left unparsed. Read here,
+    in the driver, so that a path on its machine works on any cluster and positions are exact."""
+    import pyarrow as pa
 
-    # Reading and parsing ask for no CPU (nor does writing, in run): they are light, and the engine
-    # actors may hold every CPU, behind which a task waiting for one never runs (--replicas 2 on
-    # 2 cores hung so).
+    def tagged(start: int, table):
+        return start, table.append_column(ROW, pa.array(range(start, start + table.num_rows), pa.int64()))
+
     if kind == "jsonl":
-        return ray.data.read_text(spec, drop_empty_lines=True, num_cpus=0).map_batches(
-            parse_jsonl, fn_kwargs={"column": column, "schema": schema}, batch_format="pyarrow", num_cpus=0)
+        lines, start = [], 0
+        with open(spec) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                lines.append(line)
+                if len(lines) == size:
+                    if start not in skip:
+                        yield tagged(start, parse_jsonl(pa.table({"text": lines}), column, schema))
+                    lines, start = [], start + size
+        if lines and start not in skip:
+            yield tagged(start, parse_jsonl(pa.table({"text": lines}), column, schema))
+        return
     if kind == "datasets":
         from sala.eval.calibration import load_hf_dataset
 
         # Its Arrow table, not from_huggingface: that asks the Hub for a Parquet export of any
         # dataset that carries a Hub name, and the datasets read here are local, offline.
-        return ray.data.from_arrow(load_hf_dataset(spec, split).with_format("arrow")[:])
-    return ray.data.read_parquet(spec, num_cpus=0)
+        batches = load_hf_dataset(spec, split).with_format("arrow")[:].to_batches(max_chunksize=size)
+    else:
+        import pyarrow.dataset as pads
+
+        batches = pads.dataset(spec, format="parquet").to_batches(batch_size=size)
+    pending, start = [], 0
+    for batch in batches:  # record batches end at file boundaries: regrouped into chunks of `size`
+        pending.append(batch)
+        while sum(b.num_rows for b in pending) >= size:
+            table = pa.Table.from_batches(pending).combine_chunks()
+            if start not in skip:
+                yield tagged(start, table.slice(0, size))
+            pending, start = table.slice(size).to_batches(), start + size
+    if pending and (table := pa.Table.from_batches(pending)).num_rows and start not in skip:
+        yield tagged(start, table)
 
 
 def parse_jsonl(batch, column: str, schema):
@@ -207,45 +246,124 @@ class GenerateStage:
         return value
 
     def __call__(self, batch):
-        import pyarrow as pa
-
         from sala.engine import InvalidParam
 
         n = batch.num_rows
         errors = batch.column(ERROR).to_pylist() if ERROR in batch.column_names else [None] * n
+        values = batch.column(self.column).to_pylist()
+        prompts = {}
+        for i, value in enumerate(values):
+            if errors[i] is None:
+                try:
+                    prompts[i] = self.prompt(value)
+                except (ValueError, TypeError, KeyError) as e:
+                    errors[i] = f"{type(e).__name__}: {e}"
+        done = {}
+        for rows in self._generate(prompts, errors, InvalidParam):
+            done |= rows
+        return outputs(batch, done, errors, self.top_logprobs)
+
+    def _generate(self, prompts: dict, errors: list, invalid) -> Iterator[dict]:
+        """Completions of `prompts` (row -> prompt) in one engine batch. A step that raises fails
+        the batch's cache, not its rows: each is tried again alone, and one that fails alone gets
+        the error."""
         requests = {}
-        for i, value in enumerate(batch.column(self.column).to_pylist()):
-            if errors[i] is not None:
-                continue
+        for i, prompt in prompts.items():
             try:
-                requests[i] = self.engine.add_request(self.prompt(value), self.params)
-            except (InvalidParam, ValueError, TypeError, KeyError) as e:
+                requests[i] = self.engine.add_request(prompt, self.params)
+            except (invalid, ValueError, TypeError, KeyError) as e:
                 errors[i] = f"{type(e).__name__}: {e}"
-        while self.engine.has_work():
-            self.engine.step()
-        done = {i: r.completion() for i, r in requests.items()}
+        try:
+            while self.engine.has_work():
+                self.engine.step()
+        except Exception as e:
+            self.engine.fail_all()
+            if len(requests) == 1:
+                errors[next(iter(requests))] = f"generation failed: {type(e).__name__}: {e}"
+                return
+            for i in requests:
+                yield from self._generate({i: prompts[i]}, errors, invalid)
+            return
+        yield {i: r.completion() for i, r in requests.items()}
 
-        def column(fn):
-            return [fn(done[i]) if i in done else None for i in range(n)]
 
-        values = {
-            "generated_text": column(lambda c: c.text),
-            "num_input_tokens": column(lambda c: len(c.prompt_ids)),
-            "num_generated_tokens": column(lambda c: len(c.token_ids)),
-            "finish_reason": column(lambda c: c.finish_reason),
-            "time_taken_llm": column(lambda c: c.latency_s),
-        }
-        if self.top_logprobs is not None:
-            values["logprobs"] = column(lambda c: [e.logprob for e in c.logprobs])
-            if self.top_logprobs:
-                values["top_logprobs"] = column(lambda c: [[{"token_id": t, "logprob": lp} for t, lp in e.top]
-                                                           for e in c.logprobs])
-        values[ERROR] = errors
-        table = batch.drop_columns([ERROR]) if ERROR in batch.column_names else batch
-        types = output_types()
-        for name, vals in values.items():
-            table = table.append_column(name, pa.array(vals, types[name]))
-        return with_nullable_int_metadata(table, TOKEN_COUNTS)
+def outputs(batch, done: dict, errors: list, top_logprobs: int | None):
+    """`batch` with the generated columns: row i's from completion done[i], else null with errors[i]."""
+    import pyarrow as pa
+
+    n = batch.num_rows
+
+    def column(fn):
+        return [fn(done[i]) if i in done else None for i in range(n)]
+
+    values = {
+        "generated_text": column(lambda c: c.text),
+        "num_input_tokens": column(lambda c: len(c.prompt_ids)),
+        "num_generated_tokens": column(lambda c: len(c.token_ids)),
+        "finish_reason": column(lambda c: c.finish_reason),
+        "time_taken_llm": column(lambda c: c.latency_s),
+    }
+    if top_logprobs is not None:
+        values["logprobs"] = column(lambda c: [e.logprob for e in c.logprobs])
+        if top_logprobs:
+            values["top_logprobs"] = column(lambda c: [[{"token_id": t, "logprob": lp} for t, lp in e.top]
+                                                       for e in c.logprobs])
+    values[ERROR] = errors
+    table = batch.drop_columns([ERROR]) if ERROR in batch.column_names else batch
+    types = output_types()
+    for name, vals in values.items():
+        table = table.append_column(name, pa.array(vals, types[name]))
+    return with_nullable_int_metadata(table, TOKEN_COUNTS)
+
+
+# ----------------------------------------------------------------------------- the output
+class PartWriter:
+    """The output as it is written: one parquet part per input chunk, written (to a temporary
+    name, then renamed) once every row of the chunk is back, its rows in dataset order; a row
+    seen twice is kept once. The ledger says what the parts are of, so a rerun with the same
+    inputs and settings keeps them and skips their rows, and any other run starts afresh."""
+
+    def __init__(self, directory: Path, fingerprint: str, chunks: int, size: int):
+        self.dir, self.size = directory, size
+        ledger = directory / LEDGER
+        if not (ledger.is_file() and json.loads(ledger.read_text()).get("fingerprint") == fingerprint):
+            shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        ledger.write_text(json.dumps({"fingerprint": fingerprint, "chunk_rows": size}))
+        self.written = {int(f.stem.split("-")[1]) for f in directory.glob("part-*.parquet")}
+        self.expected = {c * size for c in range(chunks)}
+        self.arrived: dict[int, dict[int, object]] = {}  # chunk start -> row -> its one-row table
+        self.duplicates = 0
+
+    def part(self, start: int) -> Path:
+        return self.dir / f"part-{start:012d}.parquet"
+
+    def add(self, table, rows_in_chunk) -> list[int]:
+        """Rows of the engine stage's output; returns the chunks this completed (and wrote)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        completed = []
+        for i, row in enumerate(table.column(ROW).to_pylist()):
+            start = row - row % self.size
+            held = self.arrived.setdefault(start, {})
+            if row in held or start in self.written:
+                self.duplicates += 1
+                continue
+            held[row] = table.slice(i, 1)
+            if len(held) == rows_in_chunk(start):
+                part = pa.concat_tables([held[r] for r in sorted(held)]).drop_columns([ROW])
+                tmp = self.part(start).with_suffix(".tmp")
+                pq.write_table(part, tmp)
+                tmp.rename(self.part(start))
+                self.written.add(start)
+                del self.arrived[start]
+                completed.append(start)
+        return completed
+
+    def unwritten(self) -> dict[int, set[int]]:
+        """The chunks not written yet: each one's start -> its rows already back."""
+        return {start: set(self.arrived.get(start, {})) for start in sorted(self.expected - self.written)}
 
 
 # ----------------------------------------------------------------------------- main
@@ -376,53 +494,87 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
         kv_plan: dict | None = None) -> int:
     import mlflow
     import pyarrow.parquet as pq
-    import ray
+    from tqdm import tqdm
 
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
     params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": dataset, "split": args.split,
               "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
               "deterministic": args.deterministic, "medusa": args.medusa,
               "medusa_max_batch": args.medusa_max_batch, "batch_size": args.batch_size,
               "output": str(output), "kv_plan": args.kv_plan, **sampling}
+    stage = dict(model_path=str(model_path), column=column, chat=bool(args.messages_column), sampling=sampling,
+                 top_logprobs=args.logprobs, num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
+                 deterministic=args.deterministic,
+                 engine_kwargs={"max_batch_tokens": args.max_batch_tokens, "max_waiting": max(256, args.batch_size),
+                                "medusa": args.medusa, "medusa_max_batch": args.medusa_max_batch, "kv_plan": kv_plan})
+    size = args.batch_size
+    writer = PartWriter(output.with_name(f".{output.name}.partial"),
+                        fingerprint({**params, **stage, "input": input_identity(dataset)}), -(-rows // size), size)
+
+    def rows_in_chunk(start: int) -> int:
+        return min(size, rows - start)
+
+    skipped = sum(rows_in_chunk(s) for s in writer.written)
+    if skipped:
+        print(f"resuming: {skipped} rows already written ({len(writer.written)} parts) are skipped", flush=True)
     with mlflow.start_run(run_name=f"generate-{Path(dataset).stem}") as mlflow_run:
         mlflow.log_params(params)
         start = time.perf_counter()
-        ds = read_dataset(dataset, kind, column, args.split, schema).map_batches(
-            GenerateStage,
-            fn_constructor_kwargs=dict(model_path=str(model_path), column=column, chat=bool(args.messages_column),
-                                       sampling=sampling, top_logprobs=args.logprobs,
-                                       num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
-                                       deterministic=args.deterministic,
-                                       engine_kwargs={"max_batch_tokens": args.max_batch_tokens,
-                                                      "max_waiting": max(256, args.batch_size), "medusa": args.medusa,
-                                                      "medusa_max_batch": args.medusa_max_batch,
-                                                      "kv_plan": kv_plan}),
-            batch_size=args.batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=args.replicas),
-            num_cpus=args.num_cpus, num_gpus=args.num_gpus, udf_modifying_row_count=False)
-        staging = output.with_name(f".{output.name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        # No CPU, as for reading: a write still holding the last one as the job ended made Ray Data
-        # warn, after the job, that it "does not have any available CPUs. The Dataset job will hang".
-        ds.write_parquet(str(staging), ray_remote_args={"num_cpus": 0})
+        bar = tqdm(total=rows, initial=skipped, desc="rows written", unit="row", file=sys.stderr)
+        chunks = input_chunks(dataset, kind, column, args.split, schema, size, skip=frozenset(writer.written))
+        for block in engine_stage(chunks, stage, args):
+            bar.update(sum(rows_in_chunk(s) for s in writer.add(block, rows_in_chunk)))
+        bar.close()
+        if writer.unwritten():  # every row is generated or an error row by now
+            raise RuntimeError(f"chunks never written: {sorted(writer.unwritten())}")
         wall = time.perf_counter() - start
+        (writer.dir / LEDGER).unlink()
         if output.exists():
             shutil.rmtree(output)
-        staging.rename(output)
+        writer.dir.rename(output)
         table = pq.read_table(str(output), columns=[*TOKEN_COUNTS, ERROR])
         errors = table.column(ERROR).drop_null()
         generated = int(np.nansum(table.column("num_generated_tokens").to_numpy(zero_copy_only=False)))
         prompt_tokens = int(np.nansum(table.column("num_input_tokens").to_numpy(zero_copy_only=False)))
-        metrics = {"rows": table.num_rows, "errors": len(errors), "generated_tokens": generated,
-                   "prompt_tokens": prompt_tokens, "wall_s": wall, "rows_per_s": table.num_rows / wall,
+        done = table.num_rows - skipped
+        metrics = {"rows": table.num_rows, "rows_skipped": skipped, "errors": len(errors), "generated_tokens": generated,
+                   "prompt_tokens": prompt_tokens, "wall_s": wall, "rows_per_s": done / wall,
                    "generated_tokens_per_s": generated / wall}
         mlflow.log_metrics(metrics)
-    print(f"{table.num_rows} rows ({len(errors)} errors) -> {output} in {wall:.1f}s: "
-          f"{metrics['generated_tokens_per_s']:.0f} generated tokens/s", flush=True)
+    print(f"{table.num_rows} rows ({len(errors)} errors{f', {skipped} from an earlier run' if skipped else ''}) -> "
+          f"{output} in {wall:.1f}s: {metrics['generated_tokens_per_s']:.0f} generated tokens/s", flush=True)
     if len(errors):
         print(f"first error: {errors[0].as_py()}", flush=True)
     print(f"mlflow run {mlflow_run.info.run_id} (experiment {args.experiment})", flush=True)
     print(json.dumps(metrics), flush=True)
     return 0
+
+
+def engine_stage(chunks: Iterator[tuple[int, object]], stage: dict, args) -> Iterator:
+    """Ray Data over the chunks: `--replicas` engine actors; Ray Data restarts an actor that dies
+    (on another node if its own is gone) and retries its batches there."""
+    import ray
+
+    refs = [ray.put(table) for _, table in chunks]
+    if not refs:
+        return
+    ds = ray.data.from_arrow_refs(refs).map_batches(
+        GenerateStage, fn_constructor_kwargs=stage, batch_size=args.batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=args.replicas), num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+        udf_modifying_row_count=False)
+    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+
+
+def input_identity(spec: str) -> list:
+    """What tells one version of an input from another: each file's path, size and modification time."""
+    path = Path(spec)
+    if not path.exists():
+        return [spec]  # a dataset in the local datasets cache, by name
+    files = sorted(f for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
+    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+
+def fingerprint(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -8,14 +8,22 @@ bytes with one worker or eight. The same actors run GPTQ, one Linear per call (m
 fused group share the group's amax, so they can be quantized apart), reading the weights from
 their own copy of the model; the longest calls are handed out first to whichever actor is free.
 
-An actor that dies (a node lost, a process killed) is restarted by Ray and its pending calls are
-retried. A restarted actor is back at the embeddings: every call names the layer whose inputs it
-needs and carries references to the quantized results of the layers before it, which the actor
-replays first.
+Nothing is lost with an actor or its node (a spot node preempted, a process killed): the driver
+owns every piece of work, not Ray's retries. An actor's death (its call fails with the actor
+gone, or with its result lost with its node) hands its calibration shards to a live actor, puts
+its call back in the queue and asks Ray for a replacement actor, which takes work once it has
+started (on a node that has room then: one added mid-run, say). Ray restarts nothing itself: a
+restarted actor could sit waiting for a CPU that died with its node while its calls wait with it.
+Any actor can take any shard at any layer: every call names the layer whose inputs it needs and
+carries references to the quantized results of the layers before it, which the actor replays
+first, and a shard it has not held yet starts at the embeddings and runs through the quantized
+layers it holds, the same operations its first owner ran, so the bytes do not change either.
 """
 from __future__ import annotations
 
 import os
+import sys
+from collections import Counter
 from dataclasses import asdict
 
 import torch
@@ -53,33 +61,42 @@ def results_from_bytes(blob: bytes, stats: dict) -> dict:
 
 
 class LayerWorker:
-    """Ray actor: the model, and for each of its shards the hidden states entering `self.layer`."""
+    """Ray actor: the model, and for each calibration shard it holds the hidden states entering `self.layer`."""
 
-    def __init__(self, model_dir: str, shards: dict):  # shard index -> ObjectRef of its token ids
-        import ray
-
+    def __init__(self, model_dir: str):
         from sala.checkpoint import load_model
 
         _torch_threads()
-        shards = dict(zip(shards, ray.get(list(shards.values()))))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = load_model(model_dir, dtype=torch.float32, device=self.device)
-        m = self.model.model
         self.layer = 0
         self.h, self.rope = {}, {}
-        with torch.no_grad():
-            for s, ids in sorted(shards.items()):
-                ids = ids.to(self.device)
-                self.h[s] = m.embed_tokens(ids) * self.model.config.scale_emb
-                self.rope[s] = m.rope(torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1))
 
-    def pid(self) -> int:
-        return os.getpid()
+    def whoami(self) -> tuple[int, str]:
+        """(process id, Ray node id)."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def _run_layer(self, idx: int, shard: int) -> torch.Tensor:
         h = self.h[shard]
         with torch.no_grad():
             return self.model.model.layers[idx](h, self.rope[shard], None, None, h.shape[1])
+
+    def _hold(self, shards: dict) -> None:
+        """Take on the shards (index -> ObjectRef of token ids) not held yet: their embeddings, run
+        through the layers before `self.layer` (already quantized here)."""
+        import ray
+
+        new = {s: r for s, r in shards.items() if s not in self.h}
+        m = self.model.model
+        for s, ids in zip(new, ray.get(list(new.values()))):
+            ids = ids.to(self.device)
+            with torch.no_grad():
+                self.h[s] = m.embed_tokens(ids) * self.model.config.scale_emb
+                self.rope[s] = m.rope(torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1))
+            for j in range(self.layer):
+                self.h[s] = self._run_layer(j, s)
 
     def _catch_up(self, idx: int, applied: list) -> None:
         """Put the quantized layers before `idx` in place and run the shards through them."""
@@ -96,14 +113,15 @@ class LayerWorker:
                 self.h[s] = self._run_layer(self.layer, s)
             self.layer += 1
 
-    def layer_hessians(self, idx: int, applied: list) -> dict[int, dict[str, tuple[torch.Tensor, int]]]:
-        """Sequential mode: per shard and input site of layer `idx`, (X^T X, tokens) on inputs that
-        went through the quantized layers before it (`applied[j]`: layer j's results)."""
+    def layer_hessians(self, idx: int, applied: list, shards: dict) -> dict[int, dict[str, tuple[torch.Tensor, int]]]:
+        """Sequential mode: per shard in `shards`, (X^T X, tokens) of each input site of layer `idx`,
+        on inputs that went through the quantized layers before it (`applied[j]`: layer j's results)."""
         from sala.quant.layerwise import collect_hessians
 
         self._catch_up(idx, applied)
+        self._hold(shards)
         out = {}
-        for s in self.h:
+        for s in shards:
             accs, handles = collect_hessians({idx: self.model.model.layers[idx]})
             try:
                 self._run_layer(idx, s)
@@ -113,13 +131,14 @@ class LayerWorker:
             out[s] = {site: (acc.xtx.cpu(), acc.tokens) for (_, site), acc in accs.items()}
         return out
 
-    def model_hessians(self) -> dict[int, dict[tuple[int, str], tuple[torch.Tensor, int]]]:
+    def model_hessians(self, shards: dict) -> dict[int, dict[tuple[int, str], tuple[torch.Tensor, int]]]:
         """Parallel mode: per shard, (X^T X, tokens) of every layer's sites, all from the unquantized model."""
         from sala.quant.layerwise import collect_hessians
 
+        self._hold(shards)
         layers = self.model.model.layers
         out = {}
-        for s in self.h:
+        for s in shards:
             accs, handles = collect_hessians(dict(enumerate(layers)))
             h = self.h[s]
             try:
@@ -147,38 +166,133 @@ class LayerWorker:
         return results_to_bytes({module: result})
 
 
+def _lost(error: BaseException) -> bool:
+    """Whether a call failed because its actor or its node went away (work to redo elsewhere), not
+    because the work itself raised (a bug or bad input, which another actor would repeat)."""
+    import ray
+
+    return isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError,
+                              ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError))
+
+
 class LayerPool:
-    """The driver's side: `workers` LayerWorker actors over `shards` calibration shards."""
+    """The driver's side: LayerWorker actors over `shards` calibration shards, spread over the
+    cluster's nodes, kept at `workers` by replacing each that dies."""
 
     def __init__(self, model_dir, seqs: torch.Tensor, shards: int, workers: int, gpus: float):
         import ray
 
         chunks = [c for c in torch.tensor_split(seqs, min(shards, len(seqs))) if len(c)]
-        workers = min(workers, len(chunks))
-        actor = ray.remote(LayerWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=4,
-                                                max_task_retries=4)
+        self.size = min(workers, len(chunks))
+        self.actor = ray.remote(LayerWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=0,
+                                                     max_task_retries=0, scheduling_strategy="SPREAD")
+        self.model_dir = str(model_dir)
         self.shards = len(chunks)
-        # Shards go by reference, held here for the pool's life: a restarted actor fetches them again
-        # (constructor arguments in the object store may be gone by then, ray-project/ray#53727).
+        # Shards go by reference, held here for the pool's life: whichever actor takes a shard
+        # fetches it from the driver's object store.
         self.shard_refs = [ray.put(c) for c in chunks]
-        self.actors = [actor.remote(str(model_dir), {s: r for s, r in enumerate(self.shard_refs) if s % workers == w})
-                       for w in range(workers)]
-        self.pids = ray.get([a.pid.remote() for a in self.actors])
+        self.live: list = []  # started actors, in start order
+        self.starting: dict = {}  # ObjectRef of an actor's whoami() -> the actor
+        self.owner: dict[int, object] = {}  # shard -> the live actor holding it
+        self.pid: dict = {}  # actor -> its process id
+        self.node: dict = {}  # actor -> its node id
+        self.calls_by_node: Counter = Counter()  # calls answered, by node id
+        self.lost = 0  # actors lost so far
+        for _ in range(self.size):
+            self._start()
+        while self.starting:  # the first pool starts whole: its shards are dealt out below
+            self._wait_started(list(self.starting))
+        self.pids = [self.pid[a] for a in self.live]
+        self.nodes = len(set(self.node.values()))
+        for s in range(self.shards):
+            self.owner[s] = self.live[s % len(self.live)]
 
-    def submit_layer_hessians(self, idx: int, applied: list) -> list:
-        """Start every actor on layer `idx`'s Hessians (after the layers in `applied`); returns the calls."""
-        return [a.layer_hessians.remote(idx, applied) for a in self.actors]
+    # -- actors
+    def _start(self) -> None:
+        a = self.actor.remote(self.model_dir)
+        self.starting[a.whoami.remote()] = a
 
-    def layer_hessians(self, idx: int, calls: list) -> dict[str, torch.Tensor]:
+    def _wait_started(self, refs: list) -> list:
+        """Those of `refs` (whoami calls of starting actors, all ready) join the pool; returns those that did."""
+        import ray
+
+        joined = []
+        for ref in refs:
+            a = self.starting.pop(ref)
+            try:
+                self.pid[a], self.node[a] = ray.get(ref)
+            except Exception as e:
+                if not _lost(e):
+                    raise RuntimeError(f"a quantize worker failed to start: {e}") from e
+                self._start()  # it died starting (its node went away): ask again
+                continue
+            self.live.append(a)
+            joined.append(a)
+            if self.lost:
+                print(f"workers    a replacement worker (pid {self.pid[a]}) joined; {len(self.live)} live", file=sys.stderr,
+                      flush=True)
+        return joined
+
+    def _drop(self, a, error: BaseException) -> None:
+        """Actor `a` is gone: its shards go to the live actors holding fewest, and a replacement is asked for."""
+        import ray
+
+        if a not in self.live:
+            return
+        self.live.remove(a)
+        self.lost += 1
+        ray.kill(a, no_restart=True)
+        print(f"workers    worker pid {self.pid.get(a)} lost ({type(error).__name__}); its work goes to the "
+              f"{len(self.live)} live worker(s), a replacement is on its way", file=sys.stderr, flush=True)
+        self._start()
+        if not self.live:  # no live actor to hand the shards to: the first that starts takes them
+            self._wait_started(ray.wait(list(self.starting), num_returns=1)[0])
+        for s in sorted(s for s, o in self.owner.items() if o is a):
+            load = {b: sum(o is b for o in self.owner.values()) for b in self.live}
+            self.owner[s] = min(self.live, key=lambda b: load[b])
+
+    # -- Hessians
+    def submit_layer_hessians(self, idx: int, applied: list) -> dict:
+        """Start the actors holding shards on layer `idx`'s Hessians (after the layers in `applied`);
+        returns the calls, each with its actor and the shards it answers for."""
+        return {a.layer_hessians.remote(idx, applied, shards): (a, shards) for a, shards in self._by_actor().items()}
+
+    def _by_actor(self) -> dict:
+        out: dict = {}
+        for s in range(self.shards):
+            out.setdefault(self.owner[s], {})[s] = self.shard_refs[s]
+        return out
+
+    def layer_hessians(self, idx: int, applied: list, calls: dict) -> dict[str, torch.Tensor]:
         """The Hessians of layer `idx` from the calls submit_layer_hessians started."""
-        return self._reduce(self._gather(calls, f"model.layers.{idx}"))
+        return self._reduce(self._per_shard(calls, lambda a, shards: a.layer_hessians.remote(idx, applied, shards),
+                                            f"model.layers.{idx}"))
 
     def model_hessians(self) -> dict[int, dict[str, torch.Tensor]]:
+        calls = {a.model_hessians.remote(shards): (a, shards) for a, shards in self._by_actor().items()}
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for (layer, site), h in self._reduce(self._gather([a.model_hessians.remote() for a in self.actors],
-                                                          "the Hessian pass")).items():
+        for (layer, site), h in self._reduce(self._per_shard(calls, lambda a, shards: a.model_hessians.remote(shards),
+                                                             "the Hessian pass")).items():
             out.setdefault(layer, {})[site] = h
         return out
+
+    def _per_shard(self, calls: dict, call, what: str) -> list[dict]:
+        """Every shard's answer: a call lost with its actor is made again by the shards' new owners."""
+        import ray
+
+        parts = []
+        while calls:
+            done, _ = ray.wait(list(calls), num_returns=1)
+            a, shards = calls.pop(done[0])
+            try:
+                parts.append(self._get(done[0], what))
+                self.calls_by_node[self.node[a]] += 1
+            except _Lost as e:
+                self._drop(a, e.cause)
+                for b, mine in self._by_actor().items():
+                    if again := {s: r for s, r in mine.items() if s in shards}:
+                        calls[call(b, again)] = (b, again)
+        return parts
 
     def _reduce(self, parts: list[dict]) -> dict:
         """Per-shard (X^T X, tokens) -> Hessians, summed in shard order (worker count does not matter)."""
@@ -193,30 +307,54 @@ class LayerPool:
                 accs.setdefault(key, HessianAccumulator(xtx.shape[0])).merge(part)
         return {key: acc.hessian(f"{key}") for key, acc in accs.items()}
 
+    # -- GPTQ
     def quantize(self, jobs: list[tuple], opts: dict, on_done) -> None:
         """Run jobs (layer, group, module, hessian, in_features, out_features), the costliest first,
-        each on whichever actor is free; on_done(layer, module, (blob, stats)) as each finishes."""
+        each on whichever actor is free; on_done(layer, module, (blob, stats)) as each finishes.
+        A job whose actor is lost goes back to the front of the queue; a replacement actor that
+        has started joins the free ones."""
         import ray
 
         # GPTQ costs about K^2 (N + K) for an [N, K] weight: longest processing time first.
         queue = sorted(jobs, key=lambda j: -j[4] * j[4] * (j[4] + j[5]))
-        free, running = list(self.actors), {}
+        free, running = list(self.live), {}
         while queue or running:
             while queue and free:
                 job, a = queue.pop(0), free.pop(0)
                 running[a.quantize.remote(job[0], job[1], job[2], job[3], opts)] = (job, a)
-            done, _ = ray.wait(list(running), num_returns=1)
+            done, _ = ray.wait([*running, *self.starting], num_returns=1)
+            if done[0] in self.starting:
+                free += self._wait_started(done)
+                continue
             job, a = running.pop(done[0])
+            try:
+                out = self._get(done[0], f"model.layers.{job[0]}.{job[2]}")
+            except _Lost as e:
+                self._drop(a, e.cause)
+                queue.insert(0, job)
+                free = [b for b in free if b in self.live]
+                continue
             free.append(a)
-            on_done(job[0], job[2], self._gather([done[0]], f"model.layers.{job[0]}.{job[2]}")[0])
+            self.calls_by_node[self.node[a]] += 1
+            on_done(job[0], job[2], out)
 
     @staticmethod
-    def _gather(refs: list, what: str) -> list:
+    def _get(ref, what: str):
         import ray
 
         try:
-            return ray.get(refs)
+            return ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             raise RuntimeError(f"quantizing {what} failed: {e.cause!r}") from e
-        except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"quantizing {what} failed: its worker died repeatedly ({e})") from e
+        except Exception as e:
+            if _lost(e):
+                raise _Lost(e) from e
+            raise
+
+
+class _Lost(Exception):
+    """A call's actor or node went away (`cause`): its work is to be done again elsewhere."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause

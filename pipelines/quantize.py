@@ -191,8 +191,8 @@ def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: L
     if blobs:
         print(f"resuming: reusing {len(blobs)} finished layer(s) {sorted(blobs)}", flush=True)
     pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0))
-    print(f"workers    {len(pool.actors)} Ray actors (pids {' '.join(map(str, pool.pids))}) over {pool.shards} "
-          "calibration shards", flush=True)
+    print(f"workers    {len(pool.live)} Ray actors on {pool.nodes} node(s) (pids {' '.join(map(str, pool.pids))}) over "
+          f"{pool.shards} calibration shards", flush=True)
     bar = tqdm(total=len(layers), initial=len(blobs), desc="quantizing layers", file=sys.stderr)
 
     def done_layer(idx: int, res: dict) -> None:
@@ -232,7 +232,7 @@ def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: L
         for i in range(len(layers)):
             if i in todo:
                 res = {}
-                hessians = pool.layer_hessians(i, calls or pool.submit_layer_hessians(i, applied))
+                hessians = pool.layer_hessians(i, applied, calls or pool.submit_layer_hessians(i, applied))
                 pool.quantize(jobs(i, hessians), opts, lambda idx, module, out: res.update(results_from_bytes(*out)))
                 done_layer(i, res)
             applied.append(ray.put(blobs[i]))
@@ -240,6 +240,9 @@ def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: L
             if i in todo:
                 record(i)
     bar.close()
+    if pool.calls_by_node:
+        print("work by node: " + ", ".join(f"node {n}: {c} calls" for n, c in pool.calls_by_node.items())
+              + (f"; {pool.lost} worker(s) lost and replaced" if pool.lost else ""), flush=True)
     return {i: results_from_bytes(*blobs[i]) for i in sorted(blobs)}
 
 
