@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="compute every prompt in full instead of reusing cached prefixes (K/V pages, lightning-state snapshots)")
     ap.add_argument("--num-threads", type=int, help="torch threads in the replica (default: torch's choice)")
     ap.add_argument("--num-replicas", type=int, default=1, help="engine replicas (default: %(default)s)")
+    ap.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
+                    help="Serve's HTTP proxies: one on every node that runs a replica, or one on the head node only "
+                         "(several nodes on one machine share one port: only one proxy can hold it)")
     ap.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",
                     help="with several replicas, leave requests to Serve's power of two choices instead of sending "
                          "those that share a prompt prefix to the replica caching it")
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --medusa-max-batch: {e}", file=sys.stderr)
         return 2
     ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location=args.proxy_location)
     serve.run(app, name="sala", route_prefix="/")
     # The serve CLI beside this interpreter, by its full path: the printed command runs from any
     # shell, whether or not this environment's bin directory is on its PATH.

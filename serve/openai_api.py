@@ -136,10 +136,15 @@ class OpenAIAPI:
         prompt_tokens = len(queued[0].prompt_ids)
         if body.stream:
             chunk = {**head, "object": "chat.completion.chunk"}
-            for i in range(len(choices)):
-                yield {**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]}
+            # A choice's role chunk goes out with its first output, not before: a stream's first
+            # event carries output, so until then the request may still go to another replica
+            # (serve/router.py, RelayedResponse).
+            announced = set()
             async for i, out in self.client.merged(queued, start):
+                if i not in announced:
+                    announced.add(i)
+                    yield {**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]}
                 choices[i].add(out)
                 lp = chat_logprobs(self.text_of, out.logprobs) if top is not None else None
                 delta = {"content": out.text} if out.text or not out.finished else {}

@@ -274,26 +274,65 @@ class PrefixAffinityRouter(RequestRouter):
 
 class RelayedResponse(Response):
     """A response made of a replica's ASGI messages, sent on as they come. Cancelled (the client
-    left), it cancels the replica's call, which the replica's app sees as a disconnect."""
+    left), it cancels the replica's call, which the replica's app sees as a disconnect.
 
-    def __init__(self, messages: DeploymentResponseGenerator):
-        self.messages, self.background = messages, None
+    A replica lost before the response has started (its first body bytes, which carry the first
+    output: a stream's first event holds a token) costs the client nothing: the request goes
+    again, to a live replica, up to `attempts` times. A stream lost after that ends as the
+    protocol ends a failed stream, an error event then `[DONE]`, never a silent cut; a
+    non-streaming response has no "after that" (its one body is the whole answer)."""
+
+    def __init__(self, call: Callable[[], DeploymentResponseGenerator], attempts: int = 3):
+        self.call, self.attempts, self.background = call, attempts, None
 
     async def __call__(self, scope, receive, send) -> None:
-        started = False
-        try:
-            async for message in self.messages:
-                started = started or message["type"] == "http.response.start"
-                await send(message)
-        except asyncio.CancelledError:
-            self.messages.cancel()
-            raise
-        except Exception as e:  # no replica could take it (backpressure), or one died mid-request
-            log.warning("relay to a replica failed: %r", e)
-            if started:
+        for attempt in range(1, self.attempts + 1):
+            messages, held, streaming = self.call(), [], False
+            try:
+                async for message in messages:
+                    if held is None:
+                        await send(message)
+                        continue
+                    held.append(message)
+                    if message["type"] == "http.response.start":
+                        streaming = dict(message.get("headers", [])).get(b"content-type", b"").startswith(
+                            b"text/event-stream")
+                    elif message.get("body") or not message.get("more_body", False):
+                        for m in held:  # the response starts: from here on it cannot go elsewhere
+                            await send(m)
+                        held = None
+                return
+            except asyncio.CancelledError:
+                messages.cancel()
                 raise
-            await JSONResponse({"error": {"message": f"no replica could serve the request: {type(e).__name__}",
-                                          "type": "server_error", "param": None, "code": "unavailable"}}, 503)(scope, receive, send)
+            except Exception as e:  # the replica died mid-request, or no replica could take it (backpressure)
+                if held is None:
+                    log.warning("replica lost mid-response (%r): the stream ends with an error event", e)
+                    if streaming:
+                        await send({"type": "http.response.body", "body": lost_stream_events(e), "more_body": False})
+                    return
+                log.warning("relay to a replica failed before the response started (attempt %d of %d): %r", attempt,
+                            self.attempts, e)
+                if attempt < self.attempts:
+                    await asyncio.sleep(0.2 * attempt)  # Serve's router learns of the death meanwhile
+                    continue
+                await error_response(503, f"no replica could serve the request: {type(e).__name__}", "server_error",
+                                     "unavailable")(scope, receive, send)
+
+
+def lost_stream_events(e: Exception) -> bytes:
+    """The end of a stream whose replica was lost: OpenAI's in-band error event, then `[DONE]`."""
+    body = error_body(f"the replica serving this stream was lost ({type(e).__name__}); the output is incomplete",
+                      "server_error", "replica_lost")
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+def error_body(message: str, type: str, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, type: str, code: str | None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, code), status)
 
 
 @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -355,7 +394,7 @@ class PrefixRoutingIngress:
             return merged_json(await self.fan_out(routed), lambda bodies: {"aborted": sum((b["aborted"] for b in bodies), [])})
         if (scope["method"], endpoint) == ("POST", "/flush_cache"):
             return merged_json(await self.fan_out(routed), lambda bodies: {"flushed_pages": sum(b["flushed_pages"] for b in bodies)})
-        return RelayedResponse(self.server.remote(routed))
+        return RelayedResponse(lambda: self.server.remote(routed))
 
     async def fan_out(self, routed: RoutedRequest) -> dict[str, Answer]:
         """The request sent to every replica at once: their answers by replica. Before this
@@ -408,8 +447,7 @@ class Answer:
 
 
 def unavailable() -> JSONResponse:
-    return JSONResponse({"error": {"message": "no replica answered", "type": "server_error", "param": None,
-                                   "code": "unavailable"}}, 503)
+    return error_response(503, "no replica answered", "server_error", "unavailable")
 
 
 def merged_metrics(answers: dict[str, Answer], router: PrefixAffinityRouter | None) -> Response:

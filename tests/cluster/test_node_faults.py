@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SMALL
+from tests.conftest import ROOT, SMALL, free_port
 
 pytestmark = pytest.mark.slow
 QUANTIZE = [*SMALL, "--gate-prompts", "8", "--no-register"]
@@ -231,3 +231,186 @@ def test_a_killed_driver_resumes_where_it_stopped(cluster_env, prompts_file, tin
     log = finish(*start(cluster_env, "generate.py", *args))
     assert f"resuming: {kept * 16} rows already written ({kept} parts) are skipped" in log, log
     assert_same_rows(out, undisturbed_rows)
+
+
+# ------------------------------------------------------------------------------------ serving
+@pytest.fixture(scope="module")
+def server(cluster_env, tiny_sala_dir):
+    """`python -m serve.app` with two replicas on the cluster (prefix routing on, as by default),
+    its HTTP proxy on the head (the nodes share this machine's ports); stopped by SIGTERM, which
+    deletes the app."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serve.app", "--model", str(tiny_sala_dir), "--num-replicas", "2",
+                             "--num-cpus", "1", "--num-threads", "1", "--port", str(port), "--proxy-location", "HeadOnly"],
+                            cwd=ROOT, env=cluster_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("serving on "):
+                break
+        assert proc.poll() is None, "".join(log[-40:])
+        threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def replicas(cluster) -> dict:
+    """SalaServer replica processes by node: {node: [pid, ...]}."""
+    import psutil
+
+    found = {}
+    for node in cluster.list_all_nodes():
+        raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+        for p in raylet.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "ServeReplica:sala:SalaServer" in " ".join(p.cmdline()):
+                    found.setdefault(node, []).append(p.pid)
+    return found
+
+
+async def one_request(client, url: str, i: int, timeout: float) -> dict:
+    """Request i of a mixed load: chat or completions, streamed or not; what the client saw."""
+    import json
+
+    stream, chat = i % 2 == 0, i % 3 == 0
+    prompt = f"{'The for statement' if i % 4 else 'The with statement'} number {i % 7}"
+    body = {"model": "tiny-sala", "max_tokens": 24, "temperature": 0, "stream": stream}
+    body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    seen = {"i": i, "stream": stream, "status": None, "events": [], "error": None, "replica": None}
+    try:
+        async with client.stream("POST", url + path, json=body, timeout=timeout) as r:
+            seen["status"], seen["replica"] = r.status_code, r.headers.get("x-sala-replica")
+            if not stream:
+                seen["body"] = json.loads(await r.aread())
+                return seen
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen["events"].append(line[6:])
+    except Exception as e:  # a cut stream, a timeout: what the test must never see
+        seen["error"] = repr(e)
+    return seen
+
+
+def verdict(seen: dict) -> str:
+    """ok | error-event (a stream ended by an in-band error, then [DONE]) | failed | cut."""
+    import json
+
+    if seen["error"]:
+        return "cut" if seen["stream"] else "failed"
+    if seen["status"] != 200:
+        return "failed"
+    if not seen["stream"]:
+        return "ok"
+    events = seen["events"]
+    if not events or events[-1] != "[DONE]":
+        return "cut"
+    return "error-event" if any("error" in json.loads(e) for e in events[:-1]) else "ok"
+
+
+def load_through(url: str, fault, recovered, seconds_after: float = 5.0, workers: int = 6, timeout: float = 60.0):
+    """Requests from `workers` clients, one at a time each (in a thread of their own), while
+    `fault()` runs here once after the first answers and `recovered()` is polled; `seconds_after`
+    more once it is true. Returns each request's record (`sent`: time.monotonic), and when the
+    fault and the recovery were."""
+    import asyncio
+
+    import httpx
+
+    state = {"fault_at": None, "recovered_at": None}
+    stop = threading.Event()
+    out = []
+
+    async def client_loop(w: int):
+        async with httpx.AsyncClient() as client:
+            i = w
+            while not stop.is_set():
+                t = time.monotonic()
+                seen = await one_request(client, url, i, timeout)
+                seen["sent"], seen["took"] = t, time.monotonic() - t
+                out.append(seen)
+                i += workers
+
+    async def clients():
+        await asyncio.gather(*(client_loop(w) for w in range(workers)))
+
+    load = threading.Thread(target=asyncio.run, args=(clients(),), daemon=True)
+    load.start()
+    try:
+        while len(out) < 2 * workers:
+            assert load.is_alive()
+            time.sleep(0.05)
+        state["fault_at"] = time.monotonic()
+        fault()  # here: starting and stopping nodes installs signal handlers, which only the main thread may
+        deadline = time.monotonic() + 240
+        while not recovered():
+            assert time.monotonic() < deadline, "no recovery in 240 s"
+            time.sleep(0.5)
+        state["recovered_at"] = time.monotonic()
+        time.sleep(seconds_after)
+    finally:
+        stop.set()
+        load.join(timeout + 10)
+    return out, state
+
+
+def serving_replicas(url: str) -> set[str]:
+    """The replicas whose series the app's /metrics holds: those that answered it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.labels["replica"] for f in text_string_to_metric_families(text) for s in f.samples
+            if "replica" in s.labels and not s.name.startswith("sala_router")}
+
+
+@pytest.mark.parametrize("fault", ["replica killed", "node removed"])
+def test_serving_loses_no_request_when_a_replica_dies(cluster, server, fault):
+    """Two replicas on two nodes under a mixed load; one replica's process SIGKILLed, or its node
+    removed (a node added back). No non-streaming request fails; no stream is cut (one that had
+    sent tokens ends with an error event, then [DONE]); none hangs; /health and /metrics answer
+    while the replica is down; the new replica takes requests; after recovery, no error at all."""
+    import httpx
+
+    before = {n: p for n, p in replicas(cluster).items()}
+    assert sum(len(p) for p in before.values()) == 2 and len(before) == 2, before
+    node, pids = next((n, p) for n, p in before.items() if n is not cluster.head_node)
+    first = serving_replicas(server)
+    assert len(first) == 2, first
+    down = {}
+
+    def fault():
+        if fault_kind == "replica killed":
+            os.kill(pids[0], signal.SIGKILL)
+        else:
+            cluster.remove_node(node)
+            cluster.add_node(num_cpus=1, object_store_memory=150 << 20)
+        time.sleep(1)
+        down["health"] = httpx.get(server + "/health", timeout=30).status_code
+        down["replicas"] = serving_replicas(server)
+
+    fault_kind = fault
+
+    def recovered() -> bool:
+        """Two replicas answer /metrics, one of them new."""
+        answering = serving_replicas(server)
+        return len(answering) == 2 and bool(answering - first)
+
+    seen, state = load_through(server, fault, recovered)
+    verdicts = [verdict(s) for s in seen]
+    print({v: verdicts.count(v) for v in set(verdicts)}, f"recovered in {state['recovered_at'] - state['fault_at']:.1f} s")
+    assert "failed" not in verdicts and "cut" not in verdicts, [(s["i"], s["status"], s["error"], s["events"][-2:]) for s, v in zip(seen, verdicts) if v in ("failed", "cut")]
+    assert all(s["took"] < 60 for s in seen)
+    after = [s for s in seen if s["sent"] > state["recovered_at"]]
+    assert after and all(verdict(s) == "ok" for s in after)
+    # While it is down, the app says it can serve, and its metrics are the live replica's alone.
+    assert down["health"] == 200 and len(down["replicas"]) == 1 and down["replicas"] < first
+    new = {s["replica"] for s in after} - {s["replica"] for s in seen if s["sent"] < state["fault_at"]}
+    assert new, "the restarted replica took no request after recovery"
