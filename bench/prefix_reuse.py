@@ -108,7 +108,7 @@ def across_replicas(args) -> None:
     engine = dict(max_model_len=max_len, max_seqs=4, compile=False, prefix_snapshot_interval=args.interval,
                   memory_bytes=int(args.cache_docs * max_len * kv_bytes_per_token(config, plan)) + 4 * state_bytes_per_seq(config, plan),
                   prefix_snapshot_bytes=int(args.cache_docs * (n // args.interval + 1)) * state_bytes_per_seq(config, plan))
-    ray.init(num_cpus=args.replicas, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.replicas, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     runs = {}

@@ -37,7 +37,9 @@ def init_ray(num_cpus: int | None = None, object_store_mb: int = 512) -> dict:
         if address:
             ray.init(address=address, log_to_driver=True)
         else:
-            ray.init(num_cpus=num_cpus, object_store_memory=object_store_mb << 20, include_dashboard=False,
+            # "local": a Ray of its own, never one another program started on this machine,
+            # which ray.init() alone would join.
+            ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_mb << 20, include_dashboard=False,
                      log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RayUnavailable(f"cannot reach Ray at RAY_ADDRESS={address!r}: {str(e).splitlines()[0]}") from e

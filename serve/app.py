@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except MedusaOff as e:
         print(f"error: --medusa-max-batch: {e}", file=sys.stderr)
         return 2
-    ctx = ray.init(namespace="serve")  # what serve.start would do, keeping the dashboard's address
+    # What serve.start would do, keeping the dashboard's address; without RAY_ADDRESS a Ray of its
+    # own, never one that another program started on this machine (ray.init's own default).
+    ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve")
     serve.start(http_options={"host": args.host, "port": args.port}, proxy_location=args.proxy_location)
     serve.run(app, name="sala", route_prefix="/")
     # The serve CLI beside this interpreter, by its full path: the printed command runs from any

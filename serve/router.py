@@ -335,7 +335,9 @@ def error_response(status: int, message: str, type: str, code: str | None) -> JS
     return JSONResponse(error_body(message, type, code), status)
 
 
-@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+# On the head node: every request passes through the ingress, so it goes where the cluster's
+# control plane already is, and a lost worker node never takes it (and the requests in it) along.
+@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
 class PrefixRoutingIngress:
     """The app's HTTP ingress when prefix routing is on: reads the body (at most one byte past the
     replicas' limit, which is then theirs to refuse), finds the prompt, and relays the request to

@@ -30,6 +30,7 @@ SHARED_CHECKPOINTS = {"medusa_checkpoint", "quantize_run"}
 SHARED_CHECKPOINT_FILES = {"tests/interop/test_sglang.py", "tests/medusa/test_medusa_engine.py",
                            "tests/medusa/test_medusa_train.py", "tests/pipelines/test_quantize_pipeline.py"}
 SHARED_UNIT = "the files sharing session checkpoints"
+CLUSTER_FILE = "tests/cluster/test_node_faults.py"  # its own three-node Ray cluster: the other long unit
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,8 +56,9 @@ def pytest_xdist_make_scheduler(config, log):
             return SHARED_UNIT if path in SHARED_CHECKPOINT_FILES else path
 
         def _assign_work_unit(self, node) -> None:
-            if SHARED_UNIT in self.workqueue:
-                self.workqueue.move_to_end(SHARED_UNIT, last=False)
+            for first in (CLUSTER_FILE, SHARED_UNIT):  # the two longest units, one to each worker
+                if first in self.workqueue:
+                    self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
     return ByFile(config, log)
@@ -188,7 +190,8 @@ def ray_on_two_cpus():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False,
+                 log_to_driver=False)  # "local": never a cluster another test started on this machine
     try:
         yield
     finally:

@@ -1,0 +1,201 @@
+"""Faults on a Ray cluster of several nodes simulated on this machine, shared by the fault tests
+(tests/cluster/test_node_faults.py) and the chaos benchmark (bench/chaos.py): the cluster
+(`ray.cluster_utils.Cluster`, Ray's own way of testing several nodes on one machine: a head and
+workers, each its own raylet and object store), the project's command lines run against it
+through RAY_ADDRESS, the processes of each node, and a mixed HTTP load with its verdicts."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE = {"num_cpus": 1, "object_store_memory": 150 << 20}  # each node: one CPU, its own object store
+
+
+@contextlib.contextmanager
+def three_nodes():
+    """A head and two worker nodes, one CPU each; stopped by its own handles (never `ray stop`)."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            c.add_node(**NODE)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+
+
+def add_node(cluster):
+    return cluster.add_node(**NODE)
+
+
+def processes(cluster, marker: str, constructed: bool = False) -> dict:
+    """Processes of each node whose command line (a Ray worker's is its title: `ray::Class`,
+    `ray::Class.method()` while it runs one) holds `marker`: {node: [pid, ...]}. constructed:
+    only those past their actor's constructor."""
+    import psutil
+
+    found = {}
+    for node in cluster.list_all_nodes():
+        raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+        for p in raylet.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(p.cmdline())
+                if marker in title and not (constructed and "__init__" in title):
+                    found.setdefault(node, []).append(p.pid)
+    return found
+
+
+class Job:
+    """A command line in its own process group, its stdout and stderr lines collected as they come."""
+
+    def __init__(self, env: dict, *argv: str):
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, start_new_session=True)
+        self.out, self.err = [], []
+        self.readers = [threading.Thread(target=lambda s=s, k=k: k.extend(iter(s.readline, "")), daemon=True)
+                        for s, k in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for r in self.readers:
+            r.start()
+
+    @classmethod
+    def pipeline(cls, env: dict, script: str, *args: str) -> "Job":
+        return cls(env, str(ROOT / "pipelines" / script), *args)
+
+    def wait_until(self, condition, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                raise AssertionError("ended early:\n" + "".join(self.err)[-3000:])
+            if time.monotonic() > deadline:
+                raise AssertionError("timed out:\n" + "".join(self.err)[-3000:])
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 600) -> str:
+        """Its stdout, once it has exited 0."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        for r in self.readers:
+            r.join(5)
+        if code != 0:
+            raise AssertionError(f"exit {code}:\n" + "".join(self.out)[-2000:] + "".join(self.err)[-4000:])
+        return "".join(self.out)
+
+    def kill(self) -> None:
+        """SIGKILL to its process group, as a lost machine stops it."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def parts_written(out: Path) -> int:
+    """Parts of a batch generation's output written so far (pipelines/generate.py)."""
+    return len(list(out.with_name(f".{out.name}.partial").glob("part-*.parquet")))
+
+
+# ---------------------------------------------------------------------------- serving under load
+async def one_request(client, url: str, i: int, timeout: float) -> dict:
+    """Request i of a mixed load: chat or completions, streamed or not; what the client saw."""
+    stream, chat = i % 2 == 0, i % 3 == 0
+    prompt = f"{'The for statement' if i % 4 else 'The with statement'} number {i % 7}"
+    body = {"model": "tiny-sala", "max_tokens": 24, "temperature": 0, "stream": stream}
+    body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    seen = {"i": i, "stream": stream, "status": None, "events": [], "error": None, "replica": None}
+    try:
+        async with client.stream("POST", url + path, json=body, timeout=timeout) as r:
+            seen["status"], seen["replica"] = r.status_code, r.headers.get("x-sala-replica")
+            if not stream:
+                seen["body"] = json.loads(await r.aread())
+                return seen
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen["events"].append(line[6:])
+    except Exception as e:  # a cut stream, a refused connection, a timeout
+        seen["error"] = repr(e)
+    return seen
+
+
+def verdict(seen: dict, timeout: float) -> str:
+    """ok | error-event (a stream ended by an in-band error, then [DONE]) | failed | cut | hung."""
+    if seen["took"] >= timeout:
+        return "hung"
+    if seen["error"]:
+        return "cut" if seen["stream"] and seen["status"] == 200 else "failed"
+    if seen["status"] != 200:
+        return "failed"
+    if not seen["stream"]:
+        return "ok"
+    events = seen["events"]
+    if not events or events[-1] != "[DONE]":
+        return "cut"
+    return "error-event" if any("error" in json.loads(e) for e in events[:-1]) else "ok"
+
+
+def serving_replicas(url: str) -> set[str]:
+    """The replicas whose series the app's /metrics holds: those that answered it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.labels["replica"] for f in text_string_to_metric_families(text) for s in f.samples
+            if "replica" in s.labels and not s.name.startswith("sala_router")}
+
+
+def load_through(url: str, fault, recovered, seconds_after: float = 3.0, workers: int = 6, timeout: float = 60.0):
+    """Requests from `workers` clients, one at a time each (in a thread of their own), while
+    `fault()` runs here once after the first answers and `recovered()` is polled; `seconds_after`
+    more once it is true. Returns each request's record (`sent`: time.monotonic, `took`,
+    `verdict`), and when the fault and the recovery were."""
+    import httpx
+
+    state = {"fault_at": None, "recovered_at": None}
+    stop = threading.Event()
+    out = []
+
+    async def client_loop(w: int):
+        async with httpx.AsyncClient() as client:
+            i = w
+            while not stop.is_set():
+                t = time.monotonic()
+                seen = await one_request(client, url, i, timeout)
+                seen["sent"], seen["took"] = t, time.monotonic() - t
+                seen["verdict"] = verdict(seen, timeout)
+                out.append(seen)
+                i += workers
+
+    async def clients():
+        await asyncio.gather(*(client_loop(w) for w in range(workers)))
+
+    load = threading.Thread(target=asyncio.run, args=(clients(),), daemon=True)
+    load.start()
+    try:
+        while len(out) < 2 * workers:
+            if not load.is_alive():
+                raise AssertionError("the load stopped")
+            time.sleep(0.05)
+        state["fault_at"] = time.monotonic()
+        fault()  # here: starting and stopping nodes installs signal handlers, which only the main thread may
+        deadline = time.monotonic() + 240
+        while not recovered():
+            if time.monotonic() > deadline:
+                raise AssertionError("no recovery in 240 s")
+            time.sleep(0.5)
+        state["recovered_at"] = time.monotonic()
+        time.sleep(seconds_after)
+    finally:
+        stop.set()
+        load.join(timeout + 10)
+    return out, state
