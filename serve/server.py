@@ -66,7 +66,9 @@ def request_of(model: type[BaseModel], request) -> BaseModel:
     raise TypeError(f"expected a {model.__name__} or a dict of its fields, got {type(request).__name__}")
 
 
-@serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30)
+# Serve notices a replica whose process died at its next health check, and only then starts
+# another: every 2 s (a check reads one flag), not Serve's 10.
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=2, health_check_timeout_s=30)
 @serve.ingress()
 class SalaServer:
     def __init__(self, model: str | None = None, served_model_name: str | list[str] | None = None, api_key: str | None = None,

@@ -205,7 +205,15 @@ def test_kernel_per_row_global_scale_is_the_concatenation(m, dtype):
     slack = exact.abs() * 2.0**-7 if dtype == torch.bfloat16 else 0.0  # as in test_kernel_equals_reference
     print(f"\n{dtype} M={m}: [N] global scale vs concatenated parts: max diff "
           f"{(y.float() - parts.float()).abs().max():.2e}, vs reference {(y.float() - exact).abs().max():.2e}")
-    assert torch.equal(y, parts)  # each output column sees the same sums either way
+    # Each output column sees the same sums either way: bitwise on a GPU, where one column's sum is
+    # the same instructions whatever the tile around it. Under the Triton interpreter tl.dot is
+    # numpy's matmul, and OpenBLAS picks its accumulation order by the call's shape (its Haswell
+    # kernels: fp32 sums 1e-5 apart), so there the two may differ by fp32 rounding, far below what
+    # a wrong global scale for the second weight's columns would make.
+    if torch.cuda.is_available() or dtype == torch.bfloat16:
+        assert torch.equal(y, parts)
+    else:
+        assert ((y.float() - parts.float()).abs() <= bound).all()
     assert ((y.float() - exact).abs() <= slack + bound).all()
 
 
