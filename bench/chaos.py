@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sala.tiny import ensure_tiny_sala, heldout_texts  # noqa: E402
-from tests.cluster.faults import Job, add_node, load_through, parts_written, processes, serving_replicas, three_nodes  # noqa: E402
+from tests.cluster.faults import Job, add_node, parts_written, processes, replica_dies, three_nodes, two_replicas  # noqa: E402
 
 QUANTIZE = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6", "--gate-prompts", "8",
             "--no-register"]
@@ -113,46 +113,17 @@ def generate(cluster, env, model, tmp: Path, rows: int) -> list[dict]:
 
 
 def serve_faults(cluster, env, model) -> list[dict]:
-    import httpx
-
-    from tests.conftest import free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = Job(env, "-m", "serve.app", "--model", str(model), "--num-replicas", "2", "--num-cpus", "1",
-                 "--num-threads", "1", "--port", str(port), "--proxy-location", "HeadOnly")
     results = []
-    try:
-        server.wait_until(lambda: any(line.startswith("serving on ") for line in server.out), timeout=600)
+    with two_replicas(env, model) as url:
         for fault in ("replica killed", "node removed"):
-            first = serving_replicas(url)
-            node, pids = next((n, p) for n, p in processes(cluster, "ServeReplica:sala:SalaServer").items()
-                              if n is not cluster.head_node)
-            down = {}
-
-            def inflict():
-                if fault == "replica killed":
-                    os.kill(pids[0], signal.SIGKILL)
-                else:
-                    cluster.remove_node(node)
-                    add_node(cluster)
-                down["health"] = httpx.get(url + "/health", timeout=30).status_code
-
-            def recovered() -> bool:
-                answering = serving_replicas(url)
-                return len(answering) == 2 and bool(answering - first)
-
-            seen, state = load_through(url, inflict, recovered)
+            run = replica_dies(cluster, url, fault)
+            seen = run["seen"]
             count = {v: sum(s["verdict"] == v for s in seen) for v in ("ok", "error-event", "failed", "cut", "hung")}
-            after = [s for s in seen if s["sent"] > state["recovered_at"]]
-            results.append({"scenario": f"serve: {fault}", "requests": len(seen),
-                            "streams": sum(s["stream"] for s in seen), **count,
-                            "errors_after_recovery": sum(s["verdict"] != "ok" for s in after),
-                            "health_while_down": down["health"],
-                            "recover_s": round(state["recovered_at"] - state["fault_at"], 1)})
-    finally:
-        server.proc.send_signal(signal.SIGTERM)
-        server.finish(timeout=60)
+            after = [s for s in seen if s["sent"] > run["recovered_at"]]
+            results.append({"scenario": f"serve: {fault}", "requests": len(seen), "streams": sum(s["stream"] for s in seen),
+                            **count, "errors_after_recovery": sum(s["verdict"] != "ok" for s in after),
+                            "health_while_down": run["down"]["health"],
+                            "recover_s": round(run["recovered_at"] - run["fault_at"], 1)})
     return results
 
 

@@ -246,8 +246,6 @@ class GenerateStage:
         return value
 
     def __call__(self, batch):
-        from sala.engine import InvalidParam
-
         n = batch.num_rows
         errors = batch.column(ERROR).to_pylist() if ERROR in batch.column_names else [None] * n
         values = batch.column(self.column).to_pylist()
@@ -259,19 +257,21 @@ class GenerateStage:
                 except (ValueError, TypeError, KeyError) as e:
                     errors[i] = f"{type(e).__name__}: {e}"
         done = {}
-        for rows in self._generate(prompts, errors, InvalidParam):
+        for rows in self._generate(prompts, errors):
             done |= rows
         return outputs(batch, done, errors, self.top_logprobs)
 
-    def _generate(self, prompts: dict, errors: list, invalid) -> Iterator[dict]:
-        """Completions of `prompts` (row -> prompt) in one engine batch. A step that raises fails
-        the batch's cache, not its rows: each is tried again alone, and one that fails alone gets
-        the error."""
+    def _generate(self, prompts: dict, errors: list) -> Iterator[dict]:
+        """Completions of `prompts` (row -> prompt) in one engine batch, rows refused set in
+        `errors`. A step that raises fails the batch's cache, not its rows: each is tried again
+        alone, and one that fails alone gets the error."""
+        from sala.engine import InvalidParam
+
         requests = {}
         for i, prompt in prompts.items():
             try:
                 requests[i] = self.engine.add_request(prompt, self.params)
-            except (invalid, ValueError, TypeError, KeyError) as e:
+            except (InvalidParam, ValueError, TypeError, KeyError) as e:
                 errors[i] = f"{type(e).__name__}: {e}"
         try:
             while self.engine.has_work():
@@ -282,7 +282,7 @@ class GenerateStage:
                 errors[next(iter(requests))] = f"generation failed: {type(e).__name__}: {e}"
                 return
             for i in requests:
-                yield from self._generate({i: prompts[i]}, errors, invalid)
+                yield from self._generate({i: prompts[i]}, errors)
             return
         yield {i: r.completion() for i, r in requests.items()}
 
@@ -409,6 +409,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine actor; > 0 runs the engine on CUDA")
     ap.add_argument("--deterministic", action="store_true",
                     help="evaluation mode: a row's logprobs are bitwise identical whatever else is in its batch (slower)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="decode eagerly: no compiled (CPU) or CUDA-graph (GPU) decode step, so each engine actor "
+                         "starts seconds sooner and decodes slower (for short jobs)")
     ap.add_argument("--batch-size", type=int, default=64, help="rows per map_batches call")
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget per step")
     ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
@@ -505,6 +508,7 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
                  top_logprobs=args.logprobs, num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
                  deterministic=args.deterministic,
                  engine_kwargs={"max_batch_tokens": args.max_batch_tokens, "max_waiting": max(256, args.batch_size),
+                                "compile": args.compile,
                                 "medusa": args.medusa, "medusa_max_batch": args.medusa_max_batch, "kv_plan": kv_plan})
     size = args.batch_size
     writer = PartWriter(output.with_name(f".{output.name}.partial"),

@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deterministic", action="store_true",
                     help="evaluation mode: a request's logprobs are bitwise identical whatever else is in the batch; "
                          "costs throughput")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="decode eagerly: no compiled (CPU) or CUDA-graph (GPU) decode step, so a replica starts "
+                         "seconds sooner and decodes slower")
     ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                     help="compute every prompt in full instead of reusing cached prefixes (K/V pages, lightning-state snapshots)")
     ap.add_argument("--num-threads", type=int, help="torch threads in the replica (default: torch's choice)")
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus,
                         num_gpus=args.num_gpus, deterministic=args.deterministic, num_threads=args.num_threads,
                         max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
-                        num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
+                        compile=args.compile, num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
                         **({} if args.medusa is None else {"medusa": args.medusa}),
                         **({} if args.medusa_max_batch is None else {"medusa_max_batch": args.medusa_max_batch}))
     except KVPlanError as e:

@@ -5,7 +5,6 @@ imports triton, which is why it lives here and not in a fixture.
 """
 import contextlib
 import os
-import socket
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -13,6 +12,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.cluster.faults import free_port  # noqa: E402,F401 (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
@@ -85,13 +86,6 @@ def local_engine(tiny_sala_dir):
     torch.set_num_threads(1)
     yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
     torch.set_num_threads(n)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cache_hf_dataset(cache_dir, name: str, splits: dict[str, list[dict]]) -> None:

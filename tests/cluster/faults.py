@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +34,13 @@ def three_nodes():
         yield c
     finally:
         c.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def add_node(cluster):
@@ -154,11 +162,11 @@ def serving_replicas(url: str) -> set[str]:
             if "replica" in s.labels and not s.name.startswith("sala_router")}
 
 
-def load_through(url: str, fault, recovered, seconds_after: float = 3.0, workers: int = 6, timeout: float = 60.0):
+def load_through(url: str, fault, recovered, workers: int = 6, timeout: float = 60.0):
     """Requests from `workers` clients, one at a time each (in a thread of their own), while
-    `fault()` runs here once after the first answers and `recovered()` is polled; `seconds_after`
-    more once it is true. Returns each request's record (`sent`: time.monotonic, `took`,
-    `verdict`), and when the fault and the recovery were."""
+    `fault()` runs here once after the first answers and `recovered()` is polled; once it is true,
+    until each client has had one more answer. Returns each request's record (`sent`:
+    time.monotonic, `took`, `verdict`), and when the fault and the recovery were."""
     import httpx
 
     state = {"fault_at": None, "recovered_at": None}
@@ -194,8 +202,58 @@ def load_through(url: str, fault, recovered, seconds_after: float = 3.0, workers
                 raise AssertionError("no recovery in 240 s")
             time.sleep(0.5)
         state["recovered_at"] = time.monotonic()
-        time.sleep(seconds_after)
+        while sum(s["sent"] > state["recovered_at"] for s in list(out)) < workers:
+            if time.monotonic() > state["recovered_at"] + 2 * timeout:
+                raise AssertionError("no answers after the recovery")
+            time.sleep(0.1)
     finally:
         stop.set()
         load.join(timeout + 10)
     return out, state
+
+
+@contextlib.contextmanager
+def two_replicas(env: dict, model, *args: str) -> str:
+    """`python -m serve.app` with two replicas (prefix routing on, as by default), its HTTP proxy on
+    the head (the simulated nodes share this machine's ports), and `args`; yields its URL; stopped
+    by SIGTERM, which deletes the app."""
+    port = free_port()
+    server = Job(env, "-m", "serve.app", "--model", str(model), "--num-replicas", "2", "--num-cpus", "1",
+                 "--num-threads", "1", "--port", str(port), "--proxy-location", "HeadOnly", *args)
+    try:
+        server.wait_until(lambda: any(line.startswith("serving on ") for line in server.out), timeout=600)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.finish(timeout=60)
+
+
+def replica_dies(cluster, url: str, fault: str) -> dict:
+    """Under load_through's mixed load, the replica off the head node dies: its process SIGKILLed
+    ("replica killed") or its node removed and another added ("node removed"). Returns the load's
+    records and times, the replicas serving before (`first`), and while it was down, what /health
+    answered and which replicas /metrics held."""
+    import httpx
+
+    first = serving_replicas(url)
+    node, pids = next((n, p) for n, p in processes(cluster, "ServeReplica:sala:SalaServer").items()
+                      if n is not cluster.head_node)
+    down = {}
+
+    def inflict():
+        if fault == "replica killed":
+            os.kill(pids[0], signal.SIGKILL)
+        else:
+            cluster.remove_node(node)
+            add_node(cluster)
+        time.sleep(1)
+        down["health"] = httpx.get(url + "/health", timeout=30).status_code
+        down["replicas"] = serving_replicas(url)
+
+    def recovered() -> bool:
+        """Two replicas answer /metrics, one of them new."""
+        answering = serving_replicas(url)
+        return len(answering) == 2 and bool(answering - first)
+
+    seen, state = load_through(url, inflict, recovered)
+    return {"seen": seen, **state, "first": first, "down": down}
