@@ -242,9 +242,9 @@ class LayerPool:
         self.live.remove(a)
         self.lost += 1
         ray.kill(a, no_restart=True)
+        self._start()
         print(f"workers    worker pid {self.pid.get(a)} lost ({type(error).__name__}); its work goes to the "
               f"{len(self.live)} live worker(s), a replacement is on its way", file=sys.stderr, flush=True)
-        self._start()
         if not self.live:  # no live actor to hand the shards to: the first that starts takes them
             self._wait_started(ray.wait(list(self.starting), num_returns=1)[0])
         for s in sorted(s for s, o in self.owner.items() if o is a):

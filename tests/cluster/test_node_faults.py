@@ -64,9 +64,11 @@ def test_quantization_survives_a_lost_node_and_uses_an_added_one(cluster, cluste
     assert not (layers / "layer_007.json").exists()
     victim = cluster.list_all_nodes()[-1]
     cluster.remove_node(victim)
-    job.wait_until(lambda: "lost" in "".join(job.err), timeout=120)
-    # The driver paused while the new node comes up, so that the replacement's start cannot lose
-    # the race with the end of a 10-second job: it joins, and then must be given work.
+    # The driver paused, once it has asked for the replacement (the cluster holds it, waiting for
+    # a CPU), while the new node comes up: the replacement's start cannot lose the race with the
+    # end of a 10-second job; it joins, and then must be given work.
+    job.wait_until(lambda: any(a["ActorClassName"] == "LayerWorker" and a["State"] == "PENDING_CREATION"
+                               for a in cluster.global_state.actor_table(None).values()), timeout=120)
     os.kill(job.proc.pid, signal.SIGSTOP)
     try:
         added = add_node(cluster)
