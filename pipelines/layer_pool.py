@@ -183,7 +183,6 @@ class LayerPool:
         import ray
 
         chunks = [c for c in torch.tensor_split(seqs, min(shards, len(seqs))) if len(c)]
-        self.size = min(workers, len(chunks))
         self.actor = ray.remote(LayerWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=0,
                                                      max_task_retries=0, scheduling_strategy="SPREAD")
         self.model_dir = str(model_dir)
@@ -198,7 +197,7 @@ class LayerPool:
         self.node: dict = {}  # actor -> its node id
         self.calls_by_node: Counter = Counter()  # calls answered, by node id
         self.lost = 0  # actors lost so far
-        for _ in range(self.size):
+        for _ in range(min(workers, len(chunks))):
             self._start()
         while self.starting:  # the first pool starts whole: its shards are dealt out below
             self._wait_started(list(self.starting))
@@ -330,9 +329,8 @@ class LayerPool:
             try:
                 out = self._get(done[0], f"model.layers.{job[0]}.{job[2]}")
             except _Lost as e:
-                self._drop(a, e.cause)
+                self._drop(a, e.cause)  # `a` was running, so not among the free
                 queue.insert(0, job)
-                free = [b for b in free if b in self.live]
                 continue
             free.append(a)
             self.calls_by_node[self.node[a]] += 1
