@@ -64,9 +64,9 @@ def engine_decode_step_ops(engine, prompt: list[int], batch: int) -> tuple[int, 
     engine.step()
     engine.step()  # one decode step, so the compiled graph exists
     with torch.inference_mode():
-        ids, ctx = engine.runner.decode_context(list(engine.scheduler.running))
+        ids, ctx = engine.decoding.inputs(list(engine.scheduler.running))
         eager = count_ops(lambda: engine.runner.forward(ids, ctx))
-        compiled = count_ops(lambda: engine.runner.fast_decode(ids, ctx))
+        compiled = count_ops(lambda: engine.decoding.fast_decode(ids, ctx))
     for r in reqs:
         engine.cancel(r)
     engine.step()
@@ -75,7 +75,7 @@ def engine_decode_step_ops(engine, prompt: list[int], batch: int) -> tuple[int, 
 
 def host_ms_outside_forward(engine, prompt: list[int], batch: int, steps: int = 16) -> float:
     """Median ms of a pure decode step of `batch` requests spent outside the compiled forward."""
-    fast = engine.runner.fast_decode
+    fast = engine.decoding.fast_decode
     inner, spent = fast.fn, []
 
     def timed(*args):
@@ -160,7 +160,7 @@ def main():
             result[f"b{b}_{keys[name]}_tok_s"] = round(b * n / t, 1)
             result[f"b{b}_{keys[name]}_ratio"] = round(t_hf / t, 3)
     compiled = engines["engine, compiled"]
-    result["compile_s"] = round(compiled.runner.compile_seconds or 0.0, 1)
+    result["compile_s"] = round(compiled.compile_seconds or 0.0, 1)
 
     print(f"\ntiny-sala greedy decode, {args.prompt_tokens}-token prompts, {n} new tokens, {args.threads} thread(s); "
           f"decode step compiled in {result['compile_s']} s")

@@ -65,7 +65,7 @@ def decode_tok_s(engine, batches, prompt_tokens: int, new_tokens: int) -> tuple[
     g = torch.Generator().manual_seed(1)
     tok_s, step_ms = {}, {}
     for b in batches:
-        prompts = torch.randint(3, engine.config.vocab_size, (b, prompt_tokens), generator=g).tolist()
+        prompts = torch.randint(3, engine.model.config.vocab_size, (b, prompt_tokens), generator=g).tolist()
         seconds = {}
         for n in (new_tokens, 1):
             params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -111,7 +111,7 @@ def main():
             result[f"{kind}_b{b}_vs_bf16_eager"] = round(got[b] / eager[b], 3)
             result[f"{kind}_b{b}_step_ms"] = round(step_ms[b], 3)
             result[f"{kind}_b{b}_floor_fraction"] = round(floor / step_ms[b], 3)
-        result[f"{kind}_graph_capture_s"] = round(engine.runner.compile_seconds or 0.0, 1)
+        result[f"{kind}_graph_capture_s"] = round(engine.compile_seconds or 0.0, 1)
         del engine
         torch.cuda.empty_cache()
     print(f"\n9B config, random weights, {torch.cuda.get_device_name()}: greedy decode, {args.prompt_tokens}-token prompts, "

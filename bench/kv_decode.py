@@ -62,7 +62,7 @@ def decode_rate(engine: Engine, context: int, batch: int, new_tokens: int) -> fl
     steps that each add one token to every sequence."""
     g = torch.Generator().manual_seed(context)
     params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
-    reqs = [engine.add_request(torch.randint(3, engine.config.vocab_size, (context,), generator=g).tolist(), params)
+    reqs = [engine.add_request(torch.randint(3, engine.model.config.vocab_size, (context,), generator=g).tolist(), params)
             for _ in range(batch)]
     while any(not r.output_ids for r in reqs):
         engine.step()

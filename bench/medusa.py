@@ -5,13 +5,13 @@ decode tokens/s with and without Medusa at batch 1, 4 and 16, measured in the sa
     python bench/medusa.py [--model CKPT] [--tree-nodes 63 15] [--uniform CKPT_TRAINED_WITH_--weighting_uniform]
 
 Both engines are the fast ones: plain decode compiled with inductor on CPU (CUDA graphs on
-GPU), Medusa's verify step compiled the same way on CPU (runner.CompiledTreeVerify); both are
+GPU), Medusa's verify step compiled the same way on CPU (medusa_decoding.CompiledTreeVerify); both are
 warmed up before anything is timed. Greedy, ignore_eos, the same prompts for both, run in
 waves of `batch` requests (each wave decoded to its end before the next starts). Mean accepted
 tokens per step counts the bonus token (plain decoding scores 1.00), as Spec-Bench; acceptance
 per depth is the share of verify steps that accepted a draft at that depth. Step times are of
 steps with no prompt work in them. Each tree runs twice: verifying at every batch size, and with
-medusa_max_batch='auto' (sala/engine/speculation.py: warmup times plain and verify steps at
+medusa_max_batch='auto' (sala/engine/medusa_decoding.py: warmup times plain and verify steps at
 batch 1, 2, 4, 8, 16 and a step verifies where accept length x plain step >= verify step; the
 share of its decode steps that verified is printed). `--tree-nodes` adds trees grown for other node budgets from
 the per-rank accuracy the training pipeline measured (a 63-node tree is 64 rows per request:
@@ -57,9 +57,10 @@ def run_waves(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> 
     """Decode `prompts` greedily in waves of `batch`; tokens/s over the whole run, the mean time
     of steps with no prompt work, the outputs, and the Medusa counters of this run alone."""
     from sala.engine import SamplingParams
+    from sala.engine.request import accept_length
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    totals = (lambda: engine.speculation.totals) if engine.speculation else None  # replaced by warmup: read each time
+    totals = (lambda: engine.decoding.totals) if engine.decoding.totals is not None else None  # replaced by warmup: read each time
     spec0 = totals().copy() if totals else None
     decode_time, decode_steps, verified_steps, wall, outputs = 0.0, 0, 0, 0.0, []
     for i in range(0, len(prompts), batch):
@@ -81,7 +82,7 @@ def run_waves(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> 
     if spec0 is not None:
         s = totals()
         steps = s.verify_steps - spec0.verify_steps
-        out["accept_length"] = 1 + (s.accepted_tokens - spec0.accepted_tokens) / max(steps, 1)
+        out["accept_length"] = accept_length(steps, s.accepted_tokens - spec0.accepted_tokens)
         out["acceptance_per_depth"] = [(a - b) / max(steps, 1) for a, b in
                                        zip(s.accepted_per_depth, spec0.accepted_per_depth + [0] * len(s.accepted_per_depth))]
     return out
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
         engines[name] = Engine(load_model(path, device=device), tok, max_seqs=max(args.batch), medusa=h,
                                medusa_max_batch="auto")
         engines[name].warmup()
-        print(f"tree {name}: {engines[name].speculation.describe(max(args.batch))}", flush=True)
+        print(f"tree {name}: {engines[name].decoding.describe()}", flush=True)
     print(f"compiled the plain decode and {len(engines)} tree-verify step(s) in {time.perf_counter() - t0:.0f} s", flush=True)
     results, lossless = {}, True
 
@@ -145,9 +146,9 @@ def main(argv=None) -> int:
             runs = []
             for _ in range(args.repeats):
                 p = run_waves(plain, prompts, b, args.max_tokens)
-                engine.speculation.policy.max_batch = None  # verify at every batch size
+                engine.decoding.policy.max_batch = None  # verify at every batch size
                 m = run_waves(engine, prompts, b, args.max_tokens)
-                engine.speculation.policy.max_batch = "auto"
+                engine.decoding.policy.max_batch = "auto"
                 a = run_waves(engine, prompts, b, args.max_tokens)
                 lossless &= p["outputs"] == m["outputs"] == a["outputs"]
                 runs.append((p, m, a))

@@ -30,7 +30,7 @@ class SALAPyfunc(PythonModel):
         sampling = SamplingParams(max_tokens=params["max_new_tokens"], temperature=params["temperature"],
                                   top_p=params["top_p"], top_k=params["top_k"], seed=params["seed"])
         try:
-            sampling.validate(self.engine.config.vocab_size)  # before any prompt of the batch is queued
+            sampling.validate(self.engine.model.config.vocab_size)  # before any prompt of the batch is queued
             completions = self.engine.generate(model_input.iloc[:, 0].tolist(), sampling)
         except InvalidParam as e:  # the caller's mistake: MLflow answers 400 with this line, not a traceback
             raise MlflowException.invalid_parameter_value(str(e)) from None

@@ -43,7 +43,7 @@ from kernels.lightning_decode import lightning_decode
 from kernels.target import TARGETS
 from sala import lightning, lightning_tree, sparse
 from sala.config import MINICPM_SALA_9B, SALAConfig
-from sala.engine.engine import MAX_BATCH_TOKENS, MAX_SEQS, PAGE_SIZE
+from sala.engine.config import MAX_BATCH_TOKENS, MAX_SEQS, PAGE_SIZE
 from sala.engine.graphs import graph_batch_sizes
 from sala.kv.formats import DENSE_DTYPES, make_codec
 from sala.kv.pages import KVPages, decode_attention

@@ -3,15 +3,15 @@
 What servers and jobs use is exported here; the modules behind it may move."""
 from sala.engine.async_engine import AsyncEngine, RequestStream
 from sala.engine.cache import CachePool
+from sala.engine.config import EngineConfig, SpeculationSettingError, parse_max_batch
 from sala.engine.detokenizer import TokenBytes
 from sala.engine.engine import Engine
 from sala.engine.memory import CacheFull
 from sala.engine.request import Completion, RequestOutput, SpecStats
 from sala.engine.scheduler import QueueFull
-from sala.engine.speculation import SpeculationSettingError, parse_max_batch
 from sala.engine.stats import EngineInfo, EngineStats
 from sala.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams, TokenLogprob
 
-__all__ = ["AsyncEngine", "CacheFull", "CachePool", "Completion", "Engine", "EngineInfo", "EngineStats", "InvalidParam",
+__all__ = ["AsyncEngine", "CacheFull", "CachePool", "Completion", "Engine", "EngineConfig", "EngineInfo", "EngineStats", "InvalidParam",
            "MAX_TOP_LOGPROBS", "QueueFull", "RequestOutput", "RequestStream", "SamplingParams", "SpecStats",
            "SpeculationSettingError", "TokenBytes", "TokenLogprob", "parse_max_batch"]

@@ -112,10 +112,6 @@ class RequestStream:
     def push(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids)
-
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Outputs until the request finishes; leaving early cancels it and frees its cache."""
         try:

@@ -30,17 +30,18 @@ from __future__ import annotations
 import torch
 
 from sala import sparse
-from sala.engine.memory import MemoryPlan
+from sala.engine.config import EngineConfig
 from sala.engine.prefix import Hit, PrefixCache
 from sala.engine.request import Request
-from sala.kv import KVPages, KVPlan
+from sala.kv import KVPages
 
 
 class CachePool:
-    def __init__(self, config, plan: MemoryPlan, kv_plan: KVPlan, device: torch.device,
-                 prefix: tuple[int, int, bool] | None = None):
-        """`prefix`: (snapshot interval, snapshot bytes, exact) for a prefix cache, or None."""
-        self.plan, self.kv_plan, self.page_size, self.device = plan, kv_plan, plan.page_size, device
+    def __init__(self, engine: EngineConfig):
+        """The pools `engine.memory` plans, in the formats of `engine.kv_plan`, with a prefix
+        cache when `engine.prefix_cache`."""
+        config, plan, kv_plan, device = engine.model, engine.memory, engine.kv_plan, engine.device
+        self.plan, self.page_size, self.device = plan, plan.page_size, device
         n_kv, d = config.num_key_value_heads, config.head_dim
 
         def pages(i: int, side: str) -> KVPages:
@@ -58,7 +59,7 @@ class CachePool:
         self.scratch_page, self.scratch_slot = plan.num_pages, plan.max_seqs
         self.free_pages = list(range(plan.num_pages - 1, -1, -1))
         self.free_state_slots = list(range(plan.max_seqs - 1, -1, -1))
-        self.prefix = PrefixCache(plan.page_size, self.states, device, *prefix) if prefix else None
+        self.prefix = PrefixCache(engine, self.states) if engine.prefix_cache else None
 
     @property
     def compressed(self) -> bool:

@@ -1,42 +1,42 @@
 """The engine: requests in, tokens out, one `step` at a time.
 
 `Engine` is synchronous and single-threaded: `add_request`, then call `step()` until
-`has_work()` is false (or use `generate` for a list of prompts). A step is: the scheduler picks
-a batch (sala/engine/scheduler.py), the runner runs it through the model (sala/engine/runner.py)
-and says which logits are for what (StepOutput), then the requests it advanced accept their
-verified drafts (Medusa) or sample one token, and each gets a RequestOutput through its
-callback. `AsyncEngine` (sala/engine/async_engine.py) runs that loop in a thread for servers.
+`has_work()` is false (or use `generate` for a list of prompts). A step is three calls: the
+scheduler picks a batch (sala/engine/scheduler.py), the runner runs it through the model
+(sala/engine/runner.py), and `postprocess` hands each request what it gained. `AsyncEngine`
+(sala/engine/async_engine.py) runs that loop in a thread for servers.
 
-Who owns what: the cache pool owns pages, state slots and the prefix cache
-(sala/engine/cache.py), how much memory it gets is sala/engine/memory.py, and an engine with
-Medusa heads holds a Speculation (sala/engine/speculation.py) that the scheduler, the runner and
-the step all consult; without heads there is none.
+Who owns what: one frozen EngineConfig (sala/engine/config.py) reaches every part; the cache
+pool owns pages, state slots and the prefix cache (sala/engine/cache.py); the decoding strategy
+(sala/engine/decoding.py: plain, or Medusa with heads) says what a decoding request puts in a
+step and gains from it.
 """
 from __future__ import annotations
 
+import copy
 import logging
-import math
 import random
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from kernels.target import require_supported
-from sala import lightning
 from sala.engine.cache import CachePool
+from sala.engine.config import EngineConfig
+from sala.engine.decoding import Emitted, PlainDecoding, StepOutput, draw
 from sala.engine.detokenizer import IncrementalDetokenizer
-from sala.engine.memory import default_budget, plan_memory
+from sala.engine.medusa_decoding import MedusaDecoding
 from sala.engine.request import Completion, Request, RequestOutput
-from sala.engine.runner import ModelRunner, StepOutput
+from sala.engine.runner import ModelRunner
 from sala.engine.scheduler import Schedule, Scheduler
-from sala.engine.speculation import Speculation
 from sala.engine.stats import EngineInfo, EngineStats, LayerBytes, PrefixStats
-from sala.kv import PLAN_FILE, default_plan, load_plan
-from sala.sampling import InvalidParam, SamplingParams, TokenLogprob, sample, token_logprobs
+from sala.kv import PLAN_FILE, load_plan
+from sala.sampling import InvalidParam, SamplingParams, TokenLogprob, token_logprobs
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -57,100 +57,40 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-# Defaults by device type: the CUDA ones are what the GPU kernels are built and checked for
-# (sala/compile_check.py).
-MAX_SEQS = {"cuda": 256, "cpu": 32}
-MAX_BATCH_TOKENS = {"cuda": 2048, "cpu": 512}
-PAGE_SIZE = 64  # InfLLM-v2's block
+@dataclass
+class Counts:
+    """Running totals for monitoring: prompt tokens on add, tokens generated and finishes by the step thread."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: Counter[str] = field(default_factory=Counter)  # by finish reason
 
 
 class Engine:
-    """`Engine(model, tokenizer)` serves a loaded model (its projections are fused in place);
-    `Engine.from_pretrained(path)` loads one. Settings:
+    """`Engine(model, tokenizer, **settings)` serves a loaded model (its projections are fused
+    in place); `Engine.from_pretrained(path, **settings)` loads one. The settings are
+    EngineConfig's (sala/engine/config.py); `medusa`: MedusaHeads (sala/medusa/heads.py) to
+    decode by tree verify."""
 
-    - device: where the model and cache live (from_pretrained: CUDA when available, else CPU).
-    - memory_bytes: the K/V + state budget; default on CUDA `gpu_memory_utilization` of the
-      device's memory minus what is already in use, on CPU room for `max_seqs` sequences of
-      min(max_model_len, 4096) tokens (at most a quarter of the machine's memory).
-    - max_seqs (CUDA 256, CPU 32), cut to what the state pool can hold; max_batch_tokens (the
-      step's token budget); max_model_len (default the config's); max_waiting (queue bound).
-    - batch_invariant: the evaluation mode (bitwise-reproducible logprobs whatever else runs);
-      compile: the compiled / CUDA-graph decode step (ignored in the evaluation mode).
-    - kv_plan: the cache plan (sala/kv/plan.py; a KVPlan, its JSON dict, or a kv_plan.json path):
-      each sparse layer's K/V format and each lightning layer's state dtype. Default: K/V in the
-      model's dtype, fp32 states; from_pretrained picks up the checkpoint's kv_plan.json.
-    - prefix_cache: reuse the K/V pages and lightning states of shared prefixes
-      (sala/engine/prefix.py); outputs are unchanged (bitwise in the evaluation mode).
-      prefix_snapshot_interval: tokens between state snapshots (a multiple of the page size and
-      of lightning.CHUNK_SIZE); prefix_snapshot_bytes: the snapshots' own budget (default an
-      eighth of memory_bytes; on CUDA taken out of the default budget, on CPU on top of it).
-    - medusa: MedusaHeads (sala/medusa/heads.py) to decode by tree verify; typical_threshold and
-      typical_alpha: typical acceptance for sampled requests (Medusa's posterior_threshold and alpha,
-      default 0.09 and 0.3); medusa_max_batch: verify only while at most this many requests decode,
-      decoding plainly above it (an integer; "auto": chosen from step times measured by warmup();
-      None, the default: always verify; sala/engine/speculation.py).
-    """
-
-    def __init__(self, model, tokenizer, *, memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_seqs: int | None = None, max_batch_tokens: int | None = None, max_model_len: int | None = None,
-                 max_waiting: int = 256, page_size: int = PAGE_SIZE, batch_invariant: bool = False, compile: bool = True,
-                 kv_plan=None, prefix_cache: bool = True, prefix_snapshot_interval: int = 512,
-                 prefix_snapshot_bytes: int | None = None, medusa=None,
-                 typical_threshold: float | None = None, typical_alpha: float | None = None,
-                 medusa_max_batch: int | str | None = None):
-        if medusa is not None and batch_invariant:
-            raise ValueError("Medusa tree verify has no batch-invariant mode: pass medusa=None (or medusa=False to "
-                             "from_pretrained) for the evaluation mode")
+    def __init__(self, model, tokenizer, *, medusa=None, **settings):
+        settings = EngineConfig(**settings)
+        _check_medusa(settings, medusa)
+        device = next(model.parameters()).device
+        require_supported(device)
+        _prepare(model, device)
+        self.config = config = settings.resolve(model, medusa.tree.num_nodes if medusa is not None else None)
+        log.info("%s; %s", config.memory.describe(), config.kv_plan.describe())
         self.model, self.tokenizer = model, tokenizer
-        self.config = config = model.config
-        param = next(model.parameters())
-        self.device = param.device
-        require_supported(self.device)
-        model.model.fuse_projections()
-        if self.device.type == "cpu":
-            _dequantize_once(model)
-        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        cuda = self.device.type == "cuda"
-        kind = "cuda" if cuda else "cpu"
-        max_seqs = max_seqs or MAX_SEQS[kind]
-        unit = math.lcm(page_size, lightning.CHUNK_SIZE)
-        if prefix_cache and (prefix_snapshot_interval <= 0 or prefix_snapshot_interval % unit):
-            raise ValueError(f"prefix_snapshot_interval={prefix_snapshot_interval} must be a positive multiple of {unit} "
-                             f"(the page size {page_size} and the lightning chunk {lightning.CHUNK_SIZE})")
-        # Checked against the model before anything is allocated: a bad plan fails at start-up.
-        self.kv_plan = default_plan(config, param.dtype) if kv_plan is None else load_plan(kv_plan, config)
-        budget_given = memory_bytes is not None
-        if not budget_given:
-            memory_bytes = default_budget(config, self.device, gpu_memory_utilization, max_seqs, self.max_model_len,
-                                          page_size, self.kv_plan)
-        if prefix_cache and prefix_snapshot_bytes is None:
-            prefix_snapshot_bytes = memory_bytes // 8
-            if not budget_given and cuda:
-                memory_bytes -= prefix_snapshot_bytes
-        plan = plan_memory(config, memory_bytes, max_seqs, self.max_model_len, page_size, self.kv_plan)
-        log.info("%s; %s", plan.describe(), self.kv_plan.describe())
-        self.cache = CachePool(config, plan, self.kv_plan, self.device,
-                               (prefix_snapshot_interval, prefix_snapshot_bytes, batch_invariant) if prefix_cache else None)
+        self.cache = CachePool(config)
         if medusa is not None and self.cache.compressed:
             raise ValueError(f"Medusa tree verify does not run InfLLM-v2's sparse path yet: with Medusa, max_model_len "
-                             f"({self.max_model_len}) must stay at or below sparse_config.dense_len "
-                             f"({config.sparse_config['dense_len']})")
-        if medusa is None and medusa_max_batch is not None:
-            raise ValueError(f"medusa_max_batch={medusa_max_batch!r} was given but Medusa is off (no heads)")
-        self.speculation = None if medusa is None else Speculation(medusa, model, self.cache, medusa_max_batch,
-                                                                   typical_threshold, typical_alpha, compile)
-        granule = lightning.CHUNK_SIZE if batch_invariant else 1
-        tree_rows = self.speculation.tree.num_nodes if self.speculation else 1
-        max_batch_tokens = max_batch_tokens or max(MAX_BATCH_TOKENS[kind], plan.max_seqs + granule,
-                                                   min(plan.max_seqs, 16) * tree_rows + granule)
-        self.scheduler = Scheduler(self.cache, max_batch_tokens, plan.max_seqs, max_waiting, granule,
-                                   exact_recompute=batch_invariant, speculation=self.speculation)
-        self.runner = ModelRunner(model, self.cache, batch_invariant, compile, plan.max_seqs, self.speculation)
+                             f"({config.max_model_len}) must stay at or below sparse_config.dense_len "
+                             f"({model.config.sparse_config['dense_len']})")
+        self.runner = ModelRunner(config, model, self.cache)
+        self.decoding = PlainDecoding(config, self.runner) if medusa is None else MedusaDecoding(config, medusa, self.runner)
+        self.scheduler = Scheduler(config, self.cache, self.decoding)
         self.eos_ids = stop_token_ids(model, tokenizer)
-        # Running totals for monitoring: tokens generated and finishes by the step thread, prompt tokens on add.
-        self.num_prompt_tokens = 0
-        self.num_generated_tokens = 0
-        self.num_finished: Counter[str] = Counter()  # by finish reason
+        self.counts = Counts()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
@@ -170,6 +110,7 @@ class Engine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available (torch {torch.__version__}); use device='cpu'")
         require_supported(device)  # before minutes of loading weights
+        EngineConfig(**kwargs)  # and bad settings
         if kv_plan is None and (Path(path) / PLAN_FILE).is_file():
             kv_plan = Path(path) / PLAN_FILE
         if kv_plan is not None:  # a bad plan fails before the weights load
@@ -194,26 +135,37 @@ class Engine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    @property
+    def compile_seconds(self) -> float | None:
+        """Seconds spent compiling (CPU) or capturing (CUDA) the decoding's fast paths so far; None before any."""
+        seconds = [s.seconds for s in self.decoding.compiled_steps() if s.seconds is not None]
+        return sum(seconds) if seconds else None
+
     def info(self) -> EngineInfo:
         """The engine's settings, fixed for its life."""
-        plan, kv, config = self.cache.plan, self.kv_plan, self.config
-        layers = [LayerBytes(i, "sparse", kv.kv[i], "token", b) for i, b in kv.kv_bytes_per_token(config).items()]
-        layers += [LayerBytes(i, "lightning", kv.state[i], "sequence", b) for i, b in kv.state_bytes_per_seq(config).items()]
-        return EngineInfo(str(self.device), self.max_model_len, config.vocab_size, plan.max_seqs, plan.num_pages,
-                          plan.page_size, self.scheduler.max_batch_tokens, self.scheduler.max_waiting,
-                          self.runner.fast_decode is not None, plan.kv_bytes_per_token, plan.state_bytes_per_seq,
-                          tuple(layers))
+        c, kv, model = self.config, self.config.kv_plan, self.model.config
+        layers = [LayerBytes(i, "sparse", kv.kv[i], "token", b) for i, b in kv.kv_bytes_per_token(model).items()]
+        layers += [LayerBytes(i, "lightning", kv.state[i], "sequence", b) for i, b in kv.state_bytes_per_seq(model).items()]
+        return EngineInfo(device=str(c.device), max_model_len=c.max_model_len, vocab_size=model.vocab_size,
+                          max_seqs=c.max_seqs, num_pages=c.memory.num_pages, page_size=c.page_size,
+                          max_batch_tokens=c.max_batch_tokens, max_waiting=c.max_waiting,
+                          compiled_decode=bool(self.decoding.compiled_steps()),
+                          kv_bytes_per_token=c.memory.kv_bytes_per_token, state_bytes_per_seq=c.memory.state_bytes_per_seq,
+                          layers=tuple(layers))
 
     def stats(self) -> EngineStats:
         """Counters and queues now (on the step thread; AsyncEngine.stats from an event loop)."""
         prefix = None
         if p := self.cache.prefix:
-            prefix = PrefixStats(p.num_queried_tokens, p.num_hit_tokens, p.num_evictable, p.num_evicted_pages,
-                                 p.num_snapshots * p.snapshot_bytes, p.max_snapshots * p.snapshot_bytes)
-        spec = self.speculation.stats(self.cache.plan.max_seqs) if self.speculation else None
-        return EngineStats(self.scheduler.num_waiting, len(self.scheduler.running), len(self.cache.free_pages),
-                           self.num_prompt_tokens, self.num_generated_tokens, self.num_preemptions,
-                           {r: self.num_finished[r] for r in FINISH_REASONS}, prefix, spec)
+            prefix = PrefixStats(queried_tokens=p.num_queried_tokens, hit_tokens=p.num_hit_tokens,
+                                 evictable_pages=p.num_evictable, evicted_pages=p.num_evicted_pages,
+                                 snapshot_bytes=p.num_snapshots * p.snapshot_bytes,
+                                 snapshot_capacity_bytes=p.max_snapshots * p.snapshot_bytes)
+        return EngineStats(waiting=self.scheduler.num_waiting, running=len(self.scheduler.running),
+                           free_pages=len(self.cache.free_pages), prompt_tokens=self.counts.prompt_tokens,
+                           generated_tokens=self.counts.generated_tokens, preemptions=self.num_preemptions,
+                           finished={r: self.counts.finished[r] for r in FINISH_REASONS}, prefix=prefix,
+                           speculation=self.decoding.stats())
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix page no request holds (SGLang's /flush_cache); how many went."""
@@ -224,28 +176,21 @@ class Engine:
         return self.cache.prefix.resumable_len(tokens) if self.cache.prefix else 0
 
     def warmup(self) -> None:
-        """Compile (CPU) or capture (CUDA) the decode step now, not on the first request, and with
-        medusa_max_batch='auto' time the steps it chooses by; servers and batch jobs call this at
-        start-up. The requests it runs are not counted in the engine's totals."""
-        prompt = [self.config.bos_token_id or 0]
-        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        """Compile (CPU) or capture (CUDA) the decoding's steps now, not on the first request (and
+        with medusa_max_batch='auto' time them); servers and batch jobs call this at start-up.
+        The requests it runs are not counted in the engine's totals."""
         with self._uncounted():
-            if self.speculation:
-                self.speculation.warmup(self, prompt, params)
-            elif self.runner.fast_decode is not None:
-                self.generate([prompt], params)
+            self.decoding.warmup(self, [self.model.config.bos_token_id or 0],
+                                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 
     @contextmanager
     def _uncounted(self):
         """Leave the engine's running totals as they were (warmup's requests are not traffic)."""
-        saved = (self.num_prompt_tokens, self.num_generated_tokens, self.num_finished.copy(), self.scheduler.num_preemptions,
-                 self.speculation.totals.copy() if self.speculation else None)
+        saved = copy.deepcopy((self.counts, self.scheduler.num_preemptions, self.decoding.totals))
         try:
             yield
         finally:
-            self.num_prompt_tokens, self.num_generated_tokens, self.num_finished, self.scheduler.num_preemptions = saved[:4]
-            if self.speculation:
-                self.speculation.totals = saved[4]
+            self.counts, self.scheduler.num_preemptions, self.decoding.totals = saved
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -254,46 +199,46 @@ class Engine:
             except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
                 raise InvalidParam("prompt", f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
             return self.tokenizer(prompt)["input_ids"]
-        if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
-            raise InvalidParam("prompt", f"token ids must be integers in [0, {self.config.vocab_size})")
+        if not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in prompt):
+            raise InvalidParam("prompt", f"token ids must be integers in [0, {self.model.config.vocab_size})")
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     on_output: Callable[[RequestOutput], None] = lambda out: None, request_id: str | None = None) -> Request:
         """Queue a request; raises InvalidParam for bad input and QueueFull when the queue is at its limit."""
-        params.validate(self.config.vocab_size)
+        params.validate(self.model.config.vocab_size)
         ids = self.encode(prompt)
         if not ids:
             raise InvalidParam("prompt", "prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidParam("prompt", f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len}")
-        if len(ids) + params.max_tokens > min(self.max_model_len, self.cache.max_tokens):
-            limit = min(self.max_model_len, self.cache.max_tokens) - len(ids)
-            plan = self.cache.plan
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise InvalidParam("prompt", f"prompt has {len(ids)} tokens; the model's context is {max_len}")
+        if len(ids) + params.max_tokens > min(max_len, self.cache.max_tokens):
+            limit = min(max_len, self.cache.max_tokens) - len(ids)
+            plan = self.config.memory
             raise InvalidParam("max_tokens", f"max_tokens={params.max_tokens} but the prompt ({len(ids)} tokens) "
                                              f"leaves room for at most {limit}: {len(ids) + params.max_tokens} tokens "
                                              f"need {plan.request_bytes(len(ids) + params.max_tokens) / 2**20:.1f} MiB "
-                                             f"(K/V of {len(self.config.sparse_layers)} sparse layers, "
+                                             f"(K/V of {len(self.model.config.sparse_layers)} sparse layers, "
                                              f"{plan.page_bytes / plan.page_size:.0f} B a token, plus a "
                                              f"{plan.state_bytes_per_seq / 2**20:.2f} MiB lightning state) and the "
                                              f"cache holds {plan.max_kv_tokens} tokens "
                                              f"({plan.num_pages * plan.page_bytes / 2**20:.1f} MiB of K/V)")
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.no_stop_trim)
         req = Request(ids, params, detokenizer, on_output)
-        if self.speculation:
-            self.speculation.admit(req)
+        self.decoding.admit(req)
         if request_id:
             req.request_id = request_id
         if params.prompt_logprobs_start is not None:
             req.prompt_logprobs_next = max(params.prompt_logprobs_start - 1, 0)
         if not params.greedy:
-            # A CPU generator whatever the device: sampling draws its uniforms here (sampling.py),
+            # A CPU generator whatever the device: sampling draws its uniforms here (sala/sampling),
             # so a seed gives the same tokens on CPU and CUDA.
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             # Any integer seeds: torch takes [-2**63, 2**64) and reads a negative one as its two's complement.
             req.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
         self.scheduler.add(req)
-        self.num_prompt_tokens += len(ids)
+        self.counts.prompt_tokens += len(ids)
         return req
 
     def cancel(self, req: Request) -> None:
@@ -306,82 +251,61 @@ class Engine:
         for r in self.scheduler.pop_cancelled():
             self._emit(r, [], None, "cancelled")
         batch = self.scheduler.schedule()
-        if not batch.num_tokens:
-            return
-        out = self.runner.run(batch)
-        self._advance(batch, out)
-        if out.verified:
-            for r, tokens, logprobs in self.speculation.accept(out.verified, self.eos_ids):
-                for token, lp in zip(tokens, logprobs):
-                    self._append(r, token, lp)
-                    if r.finish_reason:
-                        break
-            # The accepted tokens are in output_ids now; finished requests gave their pages back.
-            self.cache.after_step([r for r in out.verified.requests if not r.finish_reason])
-        if self.speculation and out.sampled and out.hidden is not None:  # None: a compiled plain step; drafts stay
-            self.speculation.draft(out.sampled, out.hidden)
+        if batch.num_tokens:
+            out = self.runner.run(batch)
+            for gained in self.postprocess(batch, out):
+                self._append(gained)
+
+    def postprocess(self, batch: Schedule, out: StepOutput) -> list[Emitted]:
+        """What each request gained from the step. Its tokens are in the cache first (the prefix
+        cache takes in their pages before a request can finish and give them back), then each
+        decoding request's tokens (the step's decoding), each ended prompt's first token, and
+        the prompt tokens scored."""
+        for r, _, end in batch.prefills:
+            r.num_computed = end
+        decoded = batch.decoding.emit(batch.decodes, out, self.eos_ids)
+        self.cache.after_step([r for r, _, _ in batch.prefills] + batch.decodes)
         if out.prompt_targets:
             scored = token_logprobs(out.prompt_logits, [t for _, t in out.prompt_targets],
                                     [r.params.logprobs or 0 for r, _ in out.prompt_targets])
             for (r, _), lp in zip(out.prompt_targets, scored):
                 r.prompt_logprobs.append(lp)
-        self._sample(out)
+        return decoded + draw(out.sampled, out.logits, self.eos_ids)
 
-    def _advance(self, batch: Schedule, out: StepOutput) -> None:
-        """The step's tokens are in the cache (a verified tree's: those its accept commits)."""
-        advanced = [r for r, _, _ in batch.prefills]
-        for r, _, end in batch.prefills:
-            r.num_computed = end
-        if not out.verified:
-            for r in batch.decodes:
-                r.num_computed += 1
-            advanced += batch.decodes
-        self.cache.after_step(advanced)  # before a request can finish and give its pages back
-
-    def _sample(self, out: StepOutput) -> None:
-        """A token for each request whose row was sampled, with its logprobs when asked for."""
-        reqs, logits = out.sampled, out.logits
-        if any(r.num_computed < r.num_tokens for r in reqs):  # decodes recomputing generated tokens: nothing new
-            keep = [i for i, r in enumerate(reqs) if r.num_computed == r.num_tokens]
-            reqs, logits = [reqs[i] for i in keep], logits[keep]
-        if not reqs:
-            return
-        tokens = sample(logits, reqs, self.eos_ids)
-        logprobs = {}
-        if want := [i for i, r in enumerate(reqs) if r.params.logprobs is not None]:
-            scored = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])
-            logprobs = dict(zip(want, scored))
-        for i, (r, token) in enumerate(zip(reqs, tokens)):
-            self._append(r, token, logprobs.get(i))
-
-    def _append(self, r: Request, token: int, lp: TokenLogprob | None) -> None:
-        r.output_ids.append(token)
-        self.num_generated_tokens += 1
-        r.first_token_at = r.first_token_at or time.perf_counter()
-        if lp is not None:
-            r.logprobs.append(lp)
-        p, reason = r.params, None
-        # min_tokens: the sampler kept stop tokens out until then; stop strings count only from then on.
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason, r.matched = "stop", token
-            if p.no_stop_trim:  # the stop token's text stays (when it is not a skipped special token)
-                r.detokenizer.append(token, check_stop=False)
-        elif (matched := r.detokenizer.append(token, check_stop=len(r.output_ids) >= p.min_tokens)) is not None:
-            reason, r.matched = "stop", matched
-        elif len(r.output_ids) >= p.max_tokens:
-            reason = "length"
-        self._emit(r, [token], lp, reason)
+    def _append(self, gained: Emitted) -> None:
+        """A request's new tokens, one output each, up to the one that finishes it."""
+        r, p = gained.request, gained.request.params
+        for token, lp in zip(gained.tokens, gained.logprobs):
+            r.output_ids.append(token)
+            self.counts.generated_tokens += 1
+            r.first_token_at = r.first_token_at or time.perf_counter()
+            if lp is not None:
+                r.logprobs.append(lp)
+            reason = None
+            # min_tokens: the sampler kept stop tokens out until then; stop strings count only from then on.
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                reason, r.matched = "stop", token
+                if p.no_stop_trim:  # the stop token's text stays (when it is not a skipped special token)
+                    r.detokenizer.append(token, check_stop=False)
+            elif (matched := r.detokenizer.append(token, check_stop=len(r.output_ids) >= p.min_tokens)) is not None:
+                reason, r.matched = "stop", matched
+            elif len(r.output_ids) >= p.max_tokens:
+                reason = "length"
+            self._emit(r, [token], lp, reason)
+            if reason:
+                return
 
     def _emit(self, r: Request, tokens: list[int], lp: TokenLogprob | None, reason: str | None) -> None:
         if reason:
             r.finish_reason = reason
-            self.num_finished[reason] += 1
+            self.counts.finished[reason] += 1
             self.scheduler.finish(r)
         first = len(r.output_ids) == 1 and bool(tokens)
-        r.on_output(RequestOutput(r.request_id, tokens, r.detokenizer.delta(reason is not None), [lp] if lp else [],
-                                  r.prompt_logprobs if first else [], reason is not None, reason,
-                                  len(r.prompt_ids), len(r.output_ids), r.cached_prompt_tokens,
-                                  r.matched if reason else None, r.spec.copy() if r.spec else None))
+        r.on_output(RequestOutput(request_id=r.request_id, token_ids=tokens, text=r.detokenizer.delta(reason is not None),
+                                  logprobs=[lp] if lp else [], prompt_logprobs=r.prompt_logprobs if first else [],
+                                  finished=reason is not None, finish_reason=reason, num_prompt_tokens=len(r.prompt_ids),
+                                  num_output_tokens=len(r.output_ids), num_cached_tokens=r.cached_prompt_tokens,
+                                  matched=r.matched if reason else None, spec=r.spec.copy() if r.spec else None))
 
     def fail_all(self) -> list[Request]:
         """After a step raised: drop every request (their cache contents are not trustworthy)."""
@@ -398,15 +322,27 @@ class Engine:
         pending = deque(zip(prompts, params))
         reqs = []
         while pending or self.has_work():
-            while pending and self.scheduler.num_waiting < self.scheduler.max_waiting:
+            while pending and self.scheduler.num_waiting < self.config.max_waiting:
                 reqs.append(self.add_request(*pending.popleft()))
             self.step()
         return [r.completion() for r in reqs]
 
 
-def _dequantize_once(model) -> None:
-    """Packed NVFP4 Linears on CPU keep an fp32 copy of their weight, made now rather than on every call."""
-    for m in model.modules():
-        if hasattr(m, "cache_dequantized"):
-            m.cache_dequantized = True
-            m.dequantized_weight()
+def _check_medusa(settings: EngineConfig, medusa) -> None:
+    """The settings that need Medusa heads, or cannot have them."""
+    if medusa is not None and settings.batch_invariant:
+        raise ValueError("Medusa tree verify has no batch-invariant mode: pass medusa=None (or medusa=False to "
+                         "from_pretrained) for the evaluation mode")
+    if medusa is None and settings.medusa_max_batch is not None:
+        raise ValueError(f"medusa_max_batch={settings.medusa_max_batch!r} was given but Medusa is off (no heads)")
+
+
+def _prepare(model, device: torch.device) -> None:
+    """The model as the engine runs it: projections fused; on CPU, packed NVFP4 Linears keep an
+    fp32 copy of their weight, made now rather than on every call."""
+    model.model.fuse_projections()
+    if device.type == "cpu":
+        for m in model.modules():
+            if hasattr(m, "cache_dequantized"):
+                m.cache_dequantized = True
+                m.dequantized_weight()

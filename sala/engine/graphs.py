@@ -4,7 +4,7 @@ A decode-only step (every row one request's next token) is the one every engine 
 so its host overhead is cut: on CPU `CompiledDecode` runs it through torch.compile (one graph
 with dynamic batch size and page-table width); on CUDA `CudaGraphDecode` replays graphs
 captured at bucketed batch sizes over a persistent step context (as nano-vllm does). Medusa's
-verify steps have compiled graphs of their own (sala/engine/speculation.py) on `CompiledStep`.
+verify steps have compiled graphs of their own (sala/engine/medusa_decoding.py) on `CompiledStep`.
 
 A compiled step takes its arguments (tensors and step contexts) as one pytree: flattened to
 tensors on the way in, rebuilt inside the graph (sala/engine/context.py registers the contexts).

@@ -46,6 +46,7 @@ from typing import Protocol
 import torch
 
 from sala import lightning
+from sala.engine.config import EngineConfig
 from sala.engine.request import Request
 
 
@@ -102,12 +103,12 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, page_size: int, states: dict[int, torch.Tensor], device: torch.device, interval: int,
-                 snapshot_bytes: int, exact: bool):
-        """`states`: the pool's state tensors, whose slots a snapshot copies; `snapshot_bytes`:
-        the snapshots' own budget; `exact` (the evaluation mode): resume only at multiples of
-        lightning.CHUNK_SIZE."""
-        self.page_size, self.interval, self.exact = page_size, interval, exact
+    def __init__(self, config: EngineConfig, states: dict[int, torch.Tensor]):
+        """`states`: the pool's state tensors, whose slots a snapshot copies. From the config:
+        the snapshot interval, the snapshots' own budget (prefix_snapshot_bytes), and in the
+        evaluation mode (batch_invariant) resuming only at multiples of lightning.CHUNK_SIZE."""
+        self.page_size, self.interval, self.batch_invariant = config.page_size, config.prefix_snapshot_interval, config.batch_invariant
+        device, snapshot_bytes = config.device, config.prefix_snapshot_bytes
         self.root = Node((), None, -1, 0)
         self.clock = itertools.count(1)
         self.evictable: list[tuple[int, int, Node]] = []  # heap of (last_used, tie, node): ref-0 leaves, lazily pruned
@@ -121,7 +122,6 @@ class PrefixCache:
         # Totals for monitoring (each request counted at its first admission; a preempted one resuming is not).
         self.num_queried_tokens = 0  # prompt tokens of admitted requests
         self.num_hit_tokens = 0  # of which were taken from the cache
-        self.num_requests = self.num_hits = 0
         self.num_evicted_pages = self.num_evicted_snapshots = 0
 
     # ------------------------------------------------------------------ lookup and admission
@@ -161,15 +161,13 @@ class PrefixCache:
         return best
 
     def _usable(self, pos: int) -> bool:
-        return not self.exact or pos % lightning.CHUNK_SIZE == 0
+        return not self.batch_invariant or pos % lightning.CHUNK_SIZE == 0
 
     def admit(self, req: Request, hit: Hit | None, pool: PagePool) -> None:
         """Inside CachePool.admit: req's pages start with the shared ones, its state slot holds
         the snapshot, its first `hit.length` tokens count as computed."""
         if req.num_cached_tokens is None:  # first admission: count it
             req.num_cached_tokens = hit.length if hit else 0
-            self.num_requests += 1
-            self.num_hits += hit is not None
             self.num_queried_tokens += len(req.prompt_ids)
             self.num_hit_tokens += min(req.num_cached_tokens, len(req.prompt_ids))
         if hit is None:
@@ -219,7 +217,7 @@ class PrefixCache:
                 node.refs = 1
             else:
                 if node.page != r.pages[i]:  # the same tokens computed twice: keep one copy
-                    if self.exact:
+                    if self.batch_invariant:
                         # Not bitwise the same copy: K/V rounds differently in chunks of other lengths.
                         break
                     pool.give_back([r.pages[i]])
@@ -331,8 +329,3 @@ class PrefixCache:
     @property
     def num_snapshots(self) -> int:
         return len(self.snapshot_lru)
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of admitted prompt tokens that came from the cache."""
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0

@@ -11,7 +11,7 @@ Pages are taken as sequences grow. When a running request needs a page and none 
 most recently admitted request is preempted: its pages and state slot are freed and it goes
 back to the front of the queue, to recompute its prompt and the tokens it already generated
 (a lightning state cannot be rebuilt any other way) and continue exactly where it was. With
-`exact_recompute` (the batch-invariant mode) only the prompt is prefilled again and the
+`batch_invariant` (the evaluation mode) only the prompt is prefilled again and the
 generated tokens are recomputed by one decode step each, as they were first computed, so the
 recomputed cache is bitwise the one that was freed.
 
@@ -19,12 +19,12 @@ With a prefix cache (sala/engine/prefix.py, inside the cache pool) a waiting req
 admitted from the deepest snapshot it matches, and a chunk never runs past the next snapshot
 interval, so that the lightning state there exists to be snapshotted. Cached pages count as free.
 
-With Medusa (`speculation`, sala/engine/speculation.py) a decode is a draft tree: it costs the
-tree's nodes in rows of the budget and reserves pages for the deepest path it may accept; the
-speculation's policy may make a step of many decoders a plain one instead.
+What a decoding request costs is the step's decoding's (sala/engine/decoding.py): one row and
+its next position for plain decoding; for a Medusa verify step its tree's nodes in rows of the
+budget and pages for the deepest path it may accept.
 
-In the batch-invariant mode a chunk ends only at a multiple of `granule` (or at the end of
-the tokens), so where a prompt is cut never depends on the load.
+In the evaluation mode a chunk ends only at a multiple of the config's `granule` (or at the
+end of the tokens), so where a prompt is cut never depends on the load.
 
 The waiting queue is bounded: `add` raises QueueFull instead of growing without limit (the
 server answers 503 with Retry-After). `add` and `cancel` may be called from any thread; all
@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sala.engine.cache import CachePool
+from sala.engine.config import EngineConfig
 from sala.engine.memory import CacheFull
 from sala.engine.request import Request
 
 if TYPE_CHECKING:
-    from sala.engine.speculation import Speculation
+    from sala.engine.decoding import DecodeStep, Decoding
 
 
 class QueueFull(RuntimeError):
@@ -51,9 +52,9 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class Schedule:
+    decoding: DecodeStep  # how this step decodes `decodes`
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, end)
-    speculative: bool = False  # Medusa: the decodes verify their draft trees
 
     @property
     def num_tokens(self) -> int:
@@ -61,24 +62,18 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, cache: CachePool, max_batch_tokens: int, max_seqs: int, max_waiting: int, granule: int = 1,
-                 exact_recompute: bool = False, speculation: Speculation | None = None):
-        if max_batch_tokens < max_seqs + granule - 1:
-            raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least max_seqs={max_seqs}"
-                             + (f" + {granule - 1} (one prefill granule)" if granule > 1 else ""))
-        self.cache, self.speculation = cache, speculation
-        self.max_batch_tokens, self.max_seqs, self.max_waiting, self.granule = max_batch_tokens, max_seqs, max_waiting, granule
+    def __init__(self, config: EngineConfig, cache: CachePool, decoding: Decoding):
+        self.config, self.cache, self.decoding = config, cache, decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
-        self.exact_recompute = exact_recompute
         self.lock = threading.Lock()
 
     def add(self, req: Request) -> None:
         if req.capacity > self.cache.max_tokens:
             raise CacheFull(f"prompt + max_tokens = {req.capacity} tokens exceeds the cache ({self.cache.max_tokens} tokens)")
         with self.lock:
-            if len(self.waiting) >= self.max_waiting:
+            if len(self.waiting) >= self.config.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting")
             self.waiting.append(req)
 
@@ -99,15 +94,15 @@ class Scheduler:
         return gone
 
     def schedule(self) -> Schedule:
-        batch = Schedule()
-        if self.speculation:
-            batch.speculative = self.speculation.verifies([r for r in self.running if not r.prefilling])
-        lookahead, decode_tokens = self.speculation.row_cost() if batch.speculative else (0, 1)
+        step = self.decoding.for_step([r for r in self.running if not r.prefilling])
+        batch = Schedule(step)
         for r in list(self.running):
-            if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + lookahead,
+            if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + step.lookahead,
                                                                                       r.capacity)):
                 batch.decodes.append(r)
-        budget = self.max_batch_tokens - len(batch.decodes) * decode_tokens
+        if not batch.decodes:
+            batch.decoding = self.decoding.for_step([])
+        budget = self.config.max_batch_tokens - len(batch.decodes) * step.rows
         for r in self.running:
             if r.prefilling and budget > 0:
                 # Prompt chunks take only free pages: preempting here could evict a request already scheduled.
@@ -119,7 +114,7 @@ class Scheduler:
                     budget -= end - r.num_computed
         with self.lock:
             passed_over = deque()
-            while budget > 0 and self.waiting and len(self.running) < self.max_seqs:
+            while budget > 0 and self.waiting and len(self.running) < self.config.max_seqs:
                 r = self.waiting.popleft()
                 hit = self.cache.match(r)
                 r.num_computed = hit.length if hit else 0
@@ -146,7 +141,7 @@ class Scheduler:
         if prefix := self.cache.prefix:  # stop at the next snapshot position
             end = min(end, (r.num_computed // prefix.interval + 1) * prefix.interval)
         if end < total:
-            end -= end % self.granule
+            end -= end % self.config.granule
         return max(end, r.num_computed)
 
     def _grow_or_preempt(self, r: Request, n_tokens: int) -> bool:
@@ -164,7 +159,7 @@ class Scheduler:
         self.running.remove(r)
         self.cache.free(r)
         r.num_computed = 0
-        r.recompute_by_decode = self.exact_recompute and bool(r.output_ids)
+        r.recompute_by_decode = self.config.batch_invariant and bool(r.output_ids)
         self.num_preemptions += 1
         with self.lock:
             self.waiting.appendleft(r)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sala.engine.request import accept_length
+
 
 @dataclass(frozen=True)
 class LayerBytes:
@@ -60,8 +62,12 @@ class SpeculationStats:
     verify_steps: int
     draft_tokens: int  # tree nodes verified, the roots not counted
     accepted_tokens: int  # drafts kept, bonus tokens not counted
-    accept_length: float  # tokens per verify step, bonus included
     max_batch: int  # the largest decode batch that verifies now (medusa_max_batch)
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verify step, bonus included."""
+        return accept_length(self.verify_steps, self.accepted_tokens)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ class EngineSource:
 
     def identity(self) -> Identity:
         e = self.engine
-        return Identity(self.name, tokenizer_hash(e.tokenizer(TOKENIZER_PROBE)["input_ids"]), e.config.vocab_size,
-                        e.max_model_len)
+        return Identity(self.name, tokenizer_hash(e.tokenizer(TOKENIZER_PROBE)["input_ids"]), e.model.config.vocab_size,
+                        e.config.max_model_len)
 
     def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[TopLogprobs]:
         params = [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=top_k, prompt_logprobs_start=s)

@@ -304,11 +304,12 @@ def load_train_state(directory: Path, heads: MedusaHeads, opt, sampler: RowSampl
 def accept_length(engine, prompts: list[list[int]], max_tokens: int) -> float:
     """Mean tokens per verify step (bonus included) of a Medusa engine decoding `prompts` greedily."""
     from sala.engine import SamplingParams
+    from sala.engine.request import accept_length as per_step
 
     before = engine.stats().speculation
     engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     after = engine.stats().speculation
-    return 1 + (after.accepted_tokens - before.accepted_tokens) / max(after.verify_steps - before.verify_steps, 1)
+    return per_step(after.verify_steps - before.verify_steps, after.accepted_tokens - before.accepted_tokens)
 
 
 # ------------------------------------------------------------------------------ one call

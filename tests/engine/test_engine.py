@@ -14,7 +14,7 @@ import torch
 
 from sala.checkpoint import load_model
 from sala.config import SALAConfig
-from sala.engine import AsyncEngine, CacheFull, Engine, InvalidParam, QueueFull, SamplingParams
+from sala.engine import AsyncEngine, CacheFull, Engine, EngineConfig, InvalidParam, QueueFull, SamplingParams
 from sala.engine.cache import CachePool
 from sala.engine.memory import cuda_cache_budget, plan_memory
 from sala.kv import KVPlan
@@ -143,8 +143,8 @@ def test_greedy_matches_full_forward(models, tokenizer, prompts, kind, settings)
     check_against_reference(run_with_joiners(engine, prompts, greedy(logprobs=0)), refs, TOLERANCE[kind])
     assert engine.scheduler.num_preemptions == 0
     if settings.get("compile"):
-        assert engine.runner.compile_seconds is not None, "the compiled decode step did not run"
-        print(f"{kind}: decode step compiled in {engine.runner.compile_seconds:.1f} s")
+        assert engine.compile_seconds is not None, "the compiled decode step did not run"
+        print(f"{kind}: decode step compiled in {engine.compile_seconds:.1f} s")
 
 
 def test_fused_engine_model_still_serves_transformers_generate(models, tokenizer, prompts):
@@ -427,13 +427,13 @@ def test_bounded_queue_and_bad_parameters(model, tokenizer, prompts):
             engine.add_request(prompts[0], params)
         assert e.value.param == field
     with pytest.raises(InvalidParam) as e:
-        engine.add_request([5] * engine.max_model_len, greedy())
+        engine.add_request([5] * engine.config.max_model_len, greedy())
     assert e.value.param == "prompt"
     with pytest.raises(InvalidParam) as e:
         engine.add_request([], greedy())
     assert e.value.param == "prompt"
     with pytest.raises(InvalidParam) as e:
-        engine.add_request(prompts[0], SamplingParams(max_tokens=engine.max_model_len))
+        engine.add_request(prompts[0], SamplingParams(max_tokens=engine.config.max_model_len))
     assert e.value.param == "max_tokens"
 
 
@@ -452,7 +452,8 @@ def test_cache_pool_layer_dtypes_and_pages(model):
     first, second = config.sparse_layers[:2]
     kv_plan = KVPlan.uniform(config, "fp32").with_units({first: "bf16"})
     plan = plan_memory(config, 8 << 20, max_seqs=4, max_model_len=256, page_size=16, kv_plan=kv_plan)
-    pool = CachePool(config, plan, kv_plan, torch.device("cpu"))
+    pool = CachePool(EngineConfig(page_size=16, prefix_cache=False, device=torch.device("cpu"), model=config, kv_plan=kv_plan,
+                                  memory=plan))
     assert pool.k[first].data.dtype == torch.bfloat16 and pool.k[second].data.dtype == torch.float32
     assert pool.k[first].data.shape == (plan.num_pages + 1, 16, config.num_key_value_heads, config.head_dim)
     assert pool.states[config.lightning_layers[0]].shape[0] == plan.max_seqs + 1  # + the scratch slot
@@ -508,7 +509,7 @@ from sala.engine import Engine, SamplingParams
 e = Engine.from_pretrained({str(tiny_sala_dir)!r})
 p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 a = e.generate(["The for statement"], p)[0].token_ids
-assert e.runner.fast_decode.failed
+assert e.decoding.fast_decode.failed
 b = Engine.from_pretrained({str(tiny_sala_dir)!r}, compile=False).generate(["The for statement"], p)[0].token_ids
 assert a == b, (a, b)
 print("same tokens")

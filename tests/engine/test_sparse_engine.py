@@ -58,7 +58,7 @@ def engine_greedy(model, tokenizer, prompts, **kw):
     done = engine.generate([p for p, _ in prompts],
                            [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for _, n in prompts])
     if kw.get("compile"):  # dense decode steps ran compiled, the window upkeep inside the graph
-        assert engine.runner.compile_seconds is not None and not engine.runner.fast_decode.failed
+        assert engine.compile_seconds is not None and not engine.decoding.fast_decode.failed
     return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in done]
 
 
@@ -89,7 +89,7 @@ def test_engine_sparse_path_equals_transformers(model, tokenizer, reference, set
             short = Engine(copy.deepcopy(model), tokenizer, max_model_len=255, compile=True)
             assert not short.cache.compressed
             short.generate([prompt(8, 4)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-            assert short.runner.compile_seconds is not None
+            assert short.compile_seconds is not None
         got = engine_greedy(model, tokenizer, requests(), **settings)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, reference):
         assert tokens == ref_tokens

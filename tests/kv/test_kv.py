@@ -13,7 +13,7 @@ import torch
 from sala.checkpoint import load_model
 from sala.checkpoint_files import write_manifest
 from sala.config import SALAConfig
-from sala.engine import Engine, SamplingParams
+from sala.engine import Engine, EngineConfig, SamplingParams
 from sala.engine.cache import CachePool
 from sala.engine.context import StepContext
 from sala.engine.memory import plan_memory
@@ -177,7 +177,8 @@ def test_bf16_state_step_equals_the_fp32_step_rounded():
     for state in ("fp32", "bf16"):
         plan = KVPlan.uniform(config, "bf16", state)
         mem = plan_memory(config, 1 << 20, max_seqs=3, max_model_len=32, page_size=16, kv_plan=plan)
-        pool = CachePool(config, mem, plan, torch.device("cpu"))
+        pool = CachePool(EngineConfig(page_size=16, prefix_cache=False, device=torch.device("cpu"), model=config,
+                                      kv_plan=plan, memory=mem))
         start = torch.randn(3, *pool.states[1].shape[1:], generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
         pool.states[1][:3] = start  # a bf16-representable state in both pools
         ctx = StepContext(pool, torch.tensor([7, 9, 3]), torch.zeros(3, dtype=torch.long),
@@ -253,7 +254,7 @@ def test_from_pretrained_picks_up_the_checkpoints_plan(tiny, tiny_sala_dir, tmp_
     write_manifest(ckpt)  # the plan is part of the checkpoint: its manifest lists it
     assert json.loads((ckpt / "kv_plan.json").read_text())["layers"][0] == {"layer": 0, "kind": "sparse", "kv": "fp8"}
     engine = Engine.from_pretrained(ckpt, compile=False)
-    assert engine.kv_plan.kv == plan.kv and engine.kv_plan.state == plan.state
+    assert engine.config.kv_plan.kv == plan.kv and engine.config.kv_plan.state == plan.state
     assert engine.cache.k[0].data.dtype == torch.float8_e4m3fn and engine.cache.k[4].data.dtype == torch.uint8
     assert engine.cache.states[1].dtype == torch.bfloat16
     other = Engine.from_pretrained(ckpt, compile=False, kv_plan=KVPlan.uniform(model.config, "fp8").to_json())

@@ -73,7 +73,7 @@ def test_ablation_one_result_per_unit_budget_met_artifacts_logged(tiny_sala_dir,
     assert plan["metrics"]["kl_mean"] <= plan["budget"]["max_kl"]
     assert verify_manifest(out)  # the copy is a checkpoint main accepts, plan included
     engine = Engine.from_pretrained(out, compile=False)
-    assert {e["layer"]: e.get("kv", e.get("state")) for e in plan["layers"]} == engine.kv_plan.kv | engine.kv_plan.state
+    assert {e["layer"]: e.get("kv", e.get("state")) for e in plan["layers"]} == engine.config.kv_plan.kv | engine.config.kv_plan.state
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("kv_sensitivity").experiment_id])
@@ -84,9 +84,9 @@ def test_ablation_one_result_per_unit_budget_met_artifacts_logged(tiny_sala_dir,
 
     (version,) = client.search_model_versions("name='tiny-sala-kv'")
     assert version.run_id == run.info.run_id and f"registered models:/tiny-sala-kv/{version.version}" in printed
-    assert version.tags["kv_plan"] == engine.kv_plan.describe()
-    assert int(version.tags["kv_bytes_per_token"]) == sum(engine.kv_plan.kv_bytes_per_token(config).values())
-    assert int(version.tags["state_bytes_per_seq"]) == sum(engine.kv_plan.state_bytes_per_seq(config).values())
+    assert version.tags["kv_plan"] == engine.config.kv_plan.describe()
+    assert int(version.tags["kv_bytes_per_token"]) == sum(engine.config.kv_plan.kv_bytes_per_token(config).values())
+    assert int(version.tags["state_bytes_per_seq"]) == sum(engine.config.kv_plan.state_bytes_per_seq(config).values())
     assert float(version.tags["kl_mean"]) == pytest.approx(plan["metrics"]["kl_mean"], rel=1e-5)
     registered = resolve_model_path(f"models:/tiny-sala-kv/{version.version}")
     assert json.loads((registered / "kv_plan.json").read_text()) == plan and verify_manifest(registered)

@@ -74,7 +74,7 @@ def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sal
             (_, first), (_, second) = a.logprobs[j].top
             assert weights == "bf16" and first == second, f"diverged at token {j} without a tie: {a.logprobs[j].top}"
             ties += 1
-    stats = engine.speculation.totals
+    stats = engine.decoding.totals
     print(f"{weights} batch {batch} plan {plan}: {same}/{len(prompts)} identical ({ties} diverge at an exact BF16 tie), "
           f"accept length {stats.accept_length:.2f} over {stats.verify_steps} verify steps")
     assert ties <= 2
@@ -98,13 +98,14 @@ def test_verify_writes_no_pool_and_commit_writes_only_the_accepted_path(base, he
                                                                             ("states", cache.states))}
     sched = engine.scheduler.schedule()
     assert sched.decodes == reqs and not sched.prefills
-    verified = engine.runner.run(sched).verified
-    assert verified.logits.shape[:2] == (2, engine.speculation.tree.num_nodes) and verified.requests == reqs
+    assert sched.decoding is engine.decoding.verify
+    out = engine.runner.run(sched)
+    assert out.decoded.shape[0] == 2 * engine.decoding.tree.num_nodes
     for name, d in (("k", cache.k), ("v", cache.v), ("states", cache.states)):
         for i, t in tensors(d).items():  # the last page / slot is scratch: padding and tree rows may write there
             assert torch.equal(t[:-1], before[name][i][:-1]), f"verify wrote {name}[{i}]"
     computed = [r.num_computed for r in reqs]
-    engine.speculation.accept(verified, engine.eos_ids)
+    engine.postprocess(sched, out)
     written = {int(cache.row(r, p)) for r, c in zip(reqs, computed) for p in range(c, r.num_computed)}
     assert len(written) == sum(r.num_computed - c for r, c in zip(reqs, computed))
     for i, t in tensors(cache.k).items():
@@ -143,7 +144,7 @@ def test_sampling_with_typical_acceptance_is_seeded_and_mixes_with_greedy(base, 
 
 
 def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sala_dir):
-    """On CPU a greedy batch's whole speculative step runs compiled (speculation.CompiledGreedySpeculation:
+    """On CPU a greedy batch's whole speculative step runs compiled (medusa_decoding.CompiledGreedyAccept:
     verify, acceptance, commit and drafting in one graph for a single request's tree, one for
     several); its output is plain greedy's, at one and two requests a step, and the graphs really ran."""
     from transformers import AutoTokenizer
@@ -153,24 +154,25 @@ def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sal
     plain = Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False).generate(prompts[:6], params)
     engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads), medusa_max_batch="auto")
     engine.warmup()
-    fast = engine.speculation.fast_greedy
+    fast = engine.decoding.verify.fast_greedy
     assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
-    assert engine.runner.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
-    timed = engine.speculation.policy.step_ms  # batch -> (plain, greedy verify, sampled verify) ms, measured by warmup
-    print(engine.speculation.describe(2))
+    assert engine.decoding.plain.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
+    timed = engine.decoding.policy.step_ms  # batch -> (plain, greedy verify, sampled verify) ms, measured by warmup
+    print(engine.decoding.describe())
     assert set(timed) == {1, 2} and all(len(ms) == 3 and all(0 < t < 1e3 for t in ms) for ms in timed.values())
-    assert engine.speculation.totals.verify_steps == 0 and engine.num_generated_tokens == 0  # warmup's steps are not traffic
-    engine.speculation.policy.max_batch = None  # always verify, to check both verify graphs
+    assert engine.decoding.totals.verify_steps == 0 and engine.counts.generated_tokens == 0  # warmup's steps are not traffic
+    engine.decoding.policy.max_batch = None  # always verify, to check both verify graphs
     calls = []
     fast.fn = (lambda fn: lambda *a: calls.append(a[2].shape[0]) or fn(*a))(fast.fn)  # a[2]: the tree tokens [R, T]
     single = engine.generate(prompts[:1], params)
     pair = engine.generate(prompts[1:6], params)
     assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]
-    assert {1, 2} <= set(calls) and engine.speculation.totals.accept_length > 1.3
+    assert {1, 2} <= set(calls) and engine.decoding.totals.accept_length > 1.3
     # Verifying only single requests: two decoders take the compiled plain step (their drafts go stale), still lossless.
-    engine.speculation.policy.max_batch, calls[:] = 1, []
+    engine.decoding.policy.max_batch, calls[:] = 1, []
     decoded = []
-    engine.runner.fast_decode.fn = (lambda fn: lambda *a: decoded.append(a[0].shape[0]) or fn(*a))(engine.runner.fast_decode.fn)
+    plain_step = engine.decoding.plain.fast_decode
+    plain_step.fn = (lambda fn: lambda *a: decoded.append(a[0].shape[0]) or fn(*a))(plain_step.fn)
     assert [c.token_ids for c in engine.generate(prompts[1:6], params)] == [c.token_ids for c in plain[1:]]
     assert decoded and set(calls) == {1}
 
@@ -190,9 +192,10 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
     out = engine.generate(prompts[:4], params)
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-    kinds = {(len(s.decodes), s.speculative) for s in steps if s.decodes}
+    verifies = [s.decoding is engine.decoding.verify for s in steps]
+    kinds = {(len(s.decodes), v) for s, v in zip(steps, verifies) if s.decodes}
     assert {(1, True), (2, False), (4, False)} <= kinds and all(spec == (n == 1) for n, spec in kinds), kinds
-    assert engine.speculation.totals.verify_steps == sum(len(s.decodes) for s in steps if s.speculative)
+    assert engine.decoding.totals.verify_steps == sum(len(s.decodes) for s, v in zip(steps, verifies) if v)
     assert out[3].spec.verify_steps > 0 and out[0].spec.verify_steps == 0
     # What a replica's /metrics reports of it.
     from prometheus_client import CollectorRegistry, generate_latest
@@ -203,7 +206,7 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     registry = CollectorRegistry()
     registry.register(EngineSeries(engine.info(), engine.stats()))
     value = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
-    totals = engine.speculation.totals
+    totals = engine.decoding.totals
     assert value["sala_spec_max_batch"] == 1 and value["sala_spec_verify_steps_total"] == totals.verify_steps
     assert value["sala_spec_accepted_tokens_total"] == totals.accepted_tokens
 
@@ -211,8 +214,9 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
 def test_auto_speculation_verifies_where_accepted_tokens_pay_for_the_step():
     """medusa_max_batch='auto' against the rule worked by hand: verify at n requests when
     accept_length x plain(n) >= verify(n), times linear between the batch sizes timed."""
+    from sala.engine.config import parse_max_batch
+    from sala.engine.medusa_decoding import SpeculationPolicy, running_accept_length
     from sala.engine.request import SpecStats
-    from sala.engine.speculation import SpeculationPolicy, parse_max_batch, running_accept_length
 
     stats = SpecStats()
     policy = SpeculationPolicy("auto")

@@ -98,12 +98,12 @@ def test_end_to_end_checkpoint_mlflow_and_registry(pipeline_env, quantize_run, t
 
     engine = Engine.from_pretrained(resolved)
     assert isinstance(engine.model.model.layers[3].mlp.down_proj, NVFP4Linear)
-    assert (engine.kv_plan.kv, engine.kv_plan.state) == (plan.kv, plan.state)
+    assert (engine.config.kv_plan.kv, engine.config.kv_plan.state) == (plan.kv, plan.state)
     assert engine.cache.k[4].data.dtype == torch.uint8 and engine.cache.states[model.config.lightning_layers[0]].dtype == torch.bfloat16
     ids = engine.encode("The for statement")
     got = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
     seq = list(ids)
-    apply_to_model(engine.model, engine.kv_plan)
+    apply_to_model(engine.model, engine.config.kv_plan)
     with torch.no_grad():
         for _ in range(8):
             seq.append(int(engine.model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))

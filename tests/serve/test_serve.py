@@ -672,7 +672,7 @@ def test_generate_input_top_logprobs_equal_full_forward(http, local_engine):
 def test_tokenize_and_detokenize_as_vllm_and_sglang(http, server, local_engine):
     ids = local_engine.encode(PROMPT)
     r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
-    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == local_engine.max_model_len
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == local_engine.config.max_model_len
     assert r["token_strs"] == local_engine.tokenizer.convert_ids_to_tokens(ids)
     batch = http.post("/v1/tokenize", json={"prompt": [PROMPT, "Hello"]}).json()
     assert batch["tokens"] == [ids, local_engine.encode("Hello")] and batch["count"] == [len(ids), len(batch["tokens"][1])]
