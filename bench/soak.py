@@ -13,7 +13,7 @@ must get its 4xx, as JSON). The replica's RSS is sampled from /metrics every few
 Pass: zero 5xx (statuses and in-band stream errors), zero mismatches, zero bad requests with
 the wrong answer, and RSS at the end within --rss-tolerance (5%) of its value at minute 1
 (at half the duration when shorter than 2 minutes). The server runs in the evaluation mode
-(--deterministic, default on): greedy tokens must not depend on what else shares the batch
+(--batch-invariant, default on): greedy tokens must not depend on what else shares the batch
 for "equal to the non-streamed answer" to be exact.
 
     python bench/soak.py [--duration 600] [--clients 32] [--max-tokens 32] [--url http://127.0.0.1:8000]
@@ -225,13 +225,13 @@ def main():
     ap.add_argument("--leave-every", type=int, default=8, help="one request in this many leaves mid-stream")
     ap.add_argument("--abort-every", type=int, default=10, help="one request in this many is a /generate aborted by rid")
     ap.add_argument("--rss-tolerance", type=float, default=0.05)
-    ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
+    ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="serve in the fast mode (greedy may then differ at near-ties, counted as mismatches)")
     ap.add_argument("--url", help=f"an already running server (SALA_API_KEY={API_KEY}); default: start one")
     args = ap.parse_args()
     model_dir = ensure_tiny_sala()
     prompts = [t[:160] for t in heldout_texts(model_dir) if len(t) > 50][: args.prompts]
-    with served(args.url, model_dir, api_key=API_KEY, deterministic=args.deterministic) as url:
+    with served(args.url, model_dir, api_key=API_KEY, batch_invariant=args.batch_invariant) as url:
         result = asyncio.run(run(url, args, prompts))
     r = result
     print(f"\nsoak on {url}: {args.clients} streaming clients for {r['duration_s']:.0f} s, max_tokens={args.max_tokens}")

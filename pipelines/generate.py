@@ -224,14 +224,14 @@ class GenerateStage:
     Output columns have fixed Arrow types, so batches that are all errors still share a schema."""
 
     def __init__(self, model_path: str, column: str, chat: bool, sampling: dict,
-                 top_logprobs: int | None, num_threads: int, num_gpus: float, deterministic: bool, engine_kwargs: dict):
+                 top_logprobs: int | None, num_threads: int, num_gpus: float, batch_invariant: bool, engine_kwargs: dict):
         import torch
 
         from sala.checkpoint import gpu_device
         from sala.engine import Engine, SamplingParams
 
         torch.set_num_threads(num_threads)
-        self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), batch_invariant=deterministic,
+        self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), batch_invariant=batch_invariant,
                                              **engine_kwargs)
         self.engine.warmup()
         self.params = SamplingParams(**sampling, logprobs=top_logprobs)
@@ -407,7 +407,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--replicas", type=int, default=1, help="engine actors")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor")
     ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine actor; > 0 runs the engine on CUDA")
-    ap.add_argument("--deterministic", action="store_true",
+    ap.add_argument("--batch-invariant", action="store_true",
                     help="evaluation mode: a row's logprobs are bitwise identical whatever else is in its batch (slower)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="decode eagerly: no compiled (CPU) or CUDA-graph (GPU) decode step, so each engine actor "
@@ -475,8 +475,8 @@ def main(argv=None) -> int:
         kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, read_config(model_path)).to_json()
         if args.medusa_max_batch is not None:
             args.medusa_max_batch = parse_max_batch(args.medusa_max_batch)
-            if args.medusa is False or args.deterministic or not has_medusa(model_path):
-                return fail(f"--medusa-max-batch: {model_path} is decoded without Medusa (--no-medusa, --deterministic, "
+            if args.medusa is False or args.batch_invariant or not has_medusa(model_path):
+                return fail(f"--medusa-max-batch: {model_path} is decoded without Medusa (--no-medusa, --batch-invariant, "
                             "or no medusa/ heads)")
         setup_mlflow(args.experiment)
         init_ray()
@@ -501,12 +501,12 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
 
     params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": dataset, "split": args.split,
               "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
-              "deterministic": args.deterministic, "medusa": args.medusa,
+              "batch_invariant": args.batch_invariant, "medusa": args.medusa,
               "medusa_max_batch": args.medusa_max_batch, "batch_size": args.batch_size,
               "output": str(output), "kv_plan": args.kv_plan, **sampling}
     stage = dict(model_path=str(model_path), column=column, chat=bool(args.messages_column), sampling=sampling,
                  top_logprobs=args.logprobs, num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
-                 deterministic=args.deterministic,
+                 batch_invariant=args.batch_invariant,
                  engine_kwargs={"max_batch_tokens": args.max_batch_tokens, "max_waiting": max(256, args.batch_size),
                                 "compile": args.compile,
                                 "medusa": args.medusa, "medusa_max_batch": args.medusa_max_batch, "kv_plan": kv_plan})

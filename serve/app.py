@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs the replica reserves in Ray (default: %(default)s)")
     ap.add_argument("--num-gpus", type=float, default=0.0,
                     help="GPUs the replica reserves in Ray; > 0 runs the engine on CUDA (default: %(default)s)")
-    ap.add_argument("--deterministic", action="store_true",
+    ap.add_argument("--batch-invariant", action="store_true",
                     help="evaluation mode: a request's logprobs are bitwise identical whatever else is in the batch; "
                          "costs throughput")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:  # before Ray starts: a bad plan is one line and exit 2
         app = build_app(args.model, served_model_name=args.served_model_name, num_cpus=args.num_cpus,
-                        num_gpus=args.num_gpus, deterministic=args.deterministic, num_threads=args.num_threads,
+                        num_gpus=args.num_gpus, batch_invariant=args.batch_invariant, num_threads=args.num_threads,
                         max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
                         compile=args.compile, num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
                         **({} if args.medusa is None else {"medusa": args.medusa}),

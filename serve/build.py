@@ -20,14 +20,14 @@ class MedusaOff(ValueError):
 
 
 def build_app(model: str | None = None, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              num_cpus: float = 1.0, num_gpus: float = 0, deterministic: bool = False, num_threads: int | None = None,
+              num_cpus: float = 1.0, num_gpus: float = 0, batch_invariant: bool = False, num_threads: int | None = None,
               max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, kv_plan=None, num_replicas: int = 1,
               autoscaling_config: dict | None = None, prefix_routing: bool = True, prefix_routing_options: dict | None = None,
               **engine_kwargs):
     """The Serve application for `serve.run`; api_key defaults to $SALA_API_KEY (unset: no auth).
     kv_plan (a kv_plan.json path or its dict; default: the checkpoint's own) is checked against the
     model here, so a bad plan fails before any replica starts (KVPlanError naming the problem).
-    num_gpus > 0 reserves that many GPUs for the replica and runs the engine on CUDA; deterministic
+    num_gpus > 0 reserves that many GPUs for the replica and runs the engine on CUDA; batch_invariant
     makes a request's logprobs bitwise independent of the rest of the batch (evaluation mode, slower).
     With several replicas (num_replicas > 1, or an autoscaling_config) and prefix_routing, requests
     sharing a prompt prefix go to the replica caching it (serve/router.py; prefix_routing_options are
@@ -49,9 +49,9 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
     if engine_kwargs.get("medusa_max_batch") is not None:  # checked here: a replica failing to start says it less plainly
         engine_kwargs["medusa_max_batch"] = parse_max_batch(engine_kwargs["medusa_max_batch"])
-        if deterministic or engine_kwargs.get("medusa") is False or not has_medusa(resolve_model_path(model)):
+        if batch_invariant or engine_kwargs.get("medusa") is False or not has_medusa(resolve_model_path(model)):
             raise MedusaOff(f"medusa_max_batch={engine_kwargs['medusa_max_batch']!r} but {model} is served without "
-                            "Medusa (medusa: false, deterministic, or no medusa/ heads)")
+                            "Medusa (medusa: false, batch_invariant, or no medusa/ heads)")
     if kv_plan is not None:  # the replica gets the checked plan itself: a path may not exist on its node
         engine_kwargs["kv_plan"] = load_plan(kv_plan, read_config(resolve_model_path(model))).to_json()
     api_key = os.environ.get("SALA_API_KEY") if api_key is None else api_key
@@ -63,7 +63,7 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
                                                                 request_router_kwargs=prefix_routing_options or {})
     server = SalaServer.options(**options).bind(
         model, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-        max_tokens_limit=max_tokens_limit, num_threads=num_threads, num_gpus=num_gpus, deterministic=deterministic,
+        max_tokens_limit=max_tokens_limit, num_threads=num_threads, num_gpus=num_gpus, batch_invariant=batch_invariant,
         engine_kwargs=engine_kwargs)
     return (PrefixRoutingIngress.bind(server, max_body_bytes=max_body_bytes, refresh_interval_s=routing.refresh_interval_s)
             if routed else server)

@@ -37,6 +37,12 @@ class EngineClient:
     def alive(self) -> bool:
         return self.async_engine.alive
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids, refused as the engine refuses a prompt (InvalidParam("prompt"): text no
+        tokenizer takes, such as a lone surrogate); without special tokens, the tokenizer's again."""
+        ids = self.engine.encode(text)
+        return ids if add_special_tokens else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def max_tokens(self, requested: int | None, default: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         if requested is None:
             return max(1, min(default or self.max_tokens_limit, self.max_tokens_limit, self.info.max_model_len - prompt_len))
@@ -120,3 +126,18 @@ class EngineClient:
     def between_steps(self, fn: Callable):
         """Await fn() on the step thread between two steps (the engine's own calls: flush_prefix_cache, ...)."""
         return self.async_engine.between_steps(fn)
+
+    async def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix page no running request holds; how many went."""
+        return await self.between_steps(self.engine.flush_prefix_cache)
+
+    async def cached_prefix_lens(self, pick: Callable[[int], dict[str, list[int]]]) -> tuple[int, dict[str, int]]:
+        """Between two steps: the prefix cache's evicted-page count (0 without a prefix cache), and
+        for each token list that `pick(evicted)` chooses, how many of its leading tokens a request
+        could take from the prefix cache now."""
+        def look_up() -> tuple[int, dict[str, int]]:
+            prefix = self.engine.stats().prefix
+            evicted = 0 if prefix is None else prefix.evicted_pages
+            return evicted, {k: self.engine.cached_prefix_len(ids) for k, ids in pick(evicted).items()}
+
+        return await self.between_steps(look_up)

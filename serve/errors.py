@@ -5,13 +5,25 @@ JSON is a 400; one that does not match the schema (a missing or mistyped field) 
 field with an impossible value a 400; both name the field in `param`. No field is ignored:
 one this server does not know, or knows but cannot honour (response_format, tools), is a 400
 naming it, as OpenAI answers an unrecognized argument.
+
+This module imports no engine (only for type checking): the routing ingress (serve/router.py),
+which holds no model, answers its errors with it too.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING
 
-from sala.engine import InvalidParam
-from serve.protocol import GenerateRequest
+from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse
+
+if TYPE_CHECKING:
+    from sala.engine import InvalidParam
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object: the body of every refused request, and a failed stream's in-band event."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class APIError(ValueError):
@@ -29,7 +41,10 @@ class APIError(ValueError):
         return type(self), (self.status, self.message, self.type, self.param, self.code, self.headers)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
 def schema_error(e: ValidationError) -> APIError:
@@ -59,7 +74,7 @@ def client_error(e: InvalidParam | ValidationError, endpoint: str, body: BaseMod
     if isinstance(e, ValidationError):
         return schema_error(e)
     param = PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)
-    if param == "text" and isinstance(body, GenerateRequest) and body.text is None:
+    if endpoint == "generate" and param == "text" and body.text is None:  # no text: input_ids, or neither
         param = "input_ids"
     return APIError(400, str(e), param=param)
 

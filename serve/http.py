@@ -1,6 +1,6 @@
 """The HTTP API: a thin layer over SalaServer's methods (the same a DeploymentHandle calls).
 
-Each route reads its JSON body into the request model, calls the server method of its name,
+Each route reads its JSON body into the request model, calls its server method,
 and answers the response object as JSON, or the stream of them as server-sent events ending
 with `[DONE]`. A refused request is an OpenAI-style JSON error (serve/errors.py) with its
 status; a full queue a 503 with Retry-After; a failure of ours a 500, or once a stream's 200
@@ -8,9 +8,10 @@ has gone, an error event in-band. Auth and the body limit are middleware (serve/
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,7 +20,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
 
 from sala.engine import QueueFull
-from serve.errors import APIError, parse
+from serve.errors import APIError, error_body, parse
 from serve.middleware import Guard
 from serve.protocol import (
     AbortRequest,
@@ -32,22 +33,24 @@ from serve.protocol import (
 
 log = logging.getLogger("sala.serve")
 
-# (method, path, endpoint: the server method and the route's name, request model or None: no body).
-ROUTES = (
-    ("GET", "/v1/models", "models", None),
-    ("POST", "/v1/completions", "completions", CompletionRequest),
-    ("POST", "/v1/chat/completions", "chat", ChatCompletionRequest),
-    ("POST", "/generate", "generate", GenerateRequest),
-    ("POST", "/abort_request", "abort", AbortRequest),
-    ("POST", "/flush_cache", "flush_cache", None),
-    ("GET", "/get_model_info", "model_info", None),
-    ("GET", "/get_server_info", "server_info", None),
-    ("POST", "/tokenize", "tokenize", TokenizeRequest),
-    ("POST", "/v1/tokenize", "tokenize", TokenizeRequest),
-    ("POST", "/detokenize", "detokenize", DetokenizeRequest),
-    ("POST", "/v1/detokenize", "detokenize", DetokenizeRequest),
-)
-GENERATING = {"completions", "chat", "generate"}  # async generators of response objects, taking the router's prompt key
+def routes(server) -> tuple:
+    """(method, path, endpoint: the route's name, as metrics and the Guard know it, the server method
+    it calls, request model or None: no body). completions, chat and generate are async generators
+    of response objects, taking the prefix router's prompt key."""
+    return (
+        ("GET", "/v1/models", "models", server.models, None),
+        ("POST", "/v1/completions", "completions", server.completions, CompletionRequest),
+        ("POST", "/v1/chat/completions", "chat", server.chat, ChatCompletionRequest),
+        ("POST", "/generate", "generate", server.generate, GenerateRequest),
+        ("POST", "/abort_request", "abort", server.abort, AbortRequest),
+        ("POST", "/flush_cache", "flush_cache", server.flush_cache, None),
+        ("GET", "/get_model_info", "model_info", server.model_info, None),
+        ("GET", "/get_server_info", "server_info", server.server_info, None),
+        ("POST", "/tokenize", "tokenize", server.tokenize, TokenizeRequest),
+        ("POST", "/v1/tokenize", "tokenize", server.tokenize, TokenizeRequest),
+        ("POST", "/detokenize", "detokenize", server.detokenize, DetokenizeRequest),
+        ("POST", "/v1/detokenize", "detokenize", server.detokenize, DetokenizeRequest),
+    )
 
 
 def build_api(server, api_key: str | None, max_body_bytes: int) -> FastAPI:
@@ -67,34 +70,37 @@ def build_api(server, api_key: str | None, max_body_bytes: int) -> FastAPI:
     async def metrics() -> Response:
         return Response(await server.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
-    for method, path, endpoint, model in ROUTES:
-        api.add_api_route(path, route(server, endpoint, model), methods=[method], name=endpoint)
-    api.add_middleware(Guard, router=api.router, guarded={endpoint for _, _, endpoint, _ in ROUTES}, api_key=api_key,
+    table = routes(server)
+    for method, path, endpoint, call, model in table:
+        api.add_api_route(path, route(endpoint, call, model), methods=[method], name=endpoint)
+    api.add_middleware(Guard, router=api.router, guarded={endpoint for _, _, endpoint, _, _ in table}, api_key=api_key,
                        max_body_bytes=max_body_bytes,
                        count=lambda endpoint, status: server.metrics.requests.labels(endpoint, str(status)).inc())
     return api
 
 
-def route(server, endpoint: str, model):
+def route(endpoint: str, call: Callable, model):
+    generating = inspect.isasyncgenfunction(call)
+
     async def handle(request: Request) -> Response:
         body = None
         try:
             args = [body := parse(model, await read_json(request))] if model else []
-            if endpoint not in GENERATING:
-                return JSONResponse(await getattr(server, endpoint)(*args))
+            if not generating:
+                return JSONResponse(await call(*args))
             # The key PrefixRoutingIngress routed this request by, when it came through SalaServer.routed.
-            outputs = getattr(server, endpoint)(*args, prompt_key=getattr(request.state, "prompt_key", None))
+            outputs = call(*args, prompt_key=getattr(request.state, "prompt_key", None))
             first = await anext(outputs)  # a refused request raises here, before any 200
             if not body.stream:
                 await outputs.aclose()
                 return JSONResponse(first)
         except QueueFull as e:
-            return error(APIError(503, f"server busy: {e}", "server_error", code="queue_full", headers={"Retry-After": "1"}))
+            return APIError(503, f"server busy: {e}", "server_error", code="queue_full", headers={"Retry-After": "1"}).response()
         except APIError as e:
-            return error(e)
+            return e.response()
         except Exception:
             log.exception("request to %s failed", endpoint)
-            return error(APIError(500, "internal server error", "server_error"))
+            return APIError(500, "internal server error", "server_error").response()
         return EventStream(events(first, outputs), media_type="text/event-stream")
 
     return handle
@@ -108,15 +114,10 @@ async def read_json(request: Request):
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), e.status, headers=e.headers)
-
-
 async def routing_error(request: Request, e: HTTPException) -> JSONResponse:
     """Routing errors (an unknown path, a wrong method) in the same JSON shape as every other error."""
     message = {404: f"no such endpoint: {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-    return JSONResponse({"error": {"message": message.get(e.status_code, str(e.detail)), "type": "invalid_request_error",
-                                   "param": None, "code": None}}, e.status_code, headers=getattr(e, "headers", None))
+    return APIError(e.status_code, message.get(e.status_code, str(e.detail)), headers=getattr(e, "headers", None)).response()
 
 
 def sse(payload: dict | list | str) -> str:
@@ -130,7 +131,7 @@ async def events(first, rest: AsyncIterator) -> AsyncIterator[str]:
             yield sse(item)
     except Exception as e:  # after the 200 has gone out: report in-band, then end the stream
         log.exception("stream failed")
-        yield sse(APIError(500, str(e), "server_error").body())
+        yield sse(error_body(str(e), "server_error"))
     finally:
         await rest.aclose()  # a client that left: its requests are cancelled now, not when the generator is collected
     yield sse("[DONE]")

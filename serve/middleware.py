@@ -9,7 +9,6 @@ from __future__ import annotations
 import hmac
 from typing import Callable
 
-from starlette.responses import JSONResponse
 from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,8 +45,7 @@ class Guard:
 
         # As bytes: a header holding non-ASCII (the server sees it as latin-1) is a wrong key, not a crash.
         if self.key and not hmac.compare_digest(header(scope, b"authorization"), self.key):
-            e = APIError(401, "Incorrect API key provided", code="invalid_api_key")
-            return await JSONResponse(e.body(), e.status)(scope, receive, counted)
+            return await APIError(401, "Incorrect API key provided", code="invalid_api_key").response()(scope, receive, counted)
         too_large = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
         length = header(scope, b"content-length")
         declared = int(length) if length.isdigit() else 0

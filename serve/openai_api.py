@@ -20,6 +20,7 @@ from serve.client import EngineClient
 from serve.errors import APIError
 from serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -54,6 +55,15 @@ class OpenAIAPI:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "sala",
                                             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
                                            for name in self.names]}
+
+    def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The prompt the chat template makes of `messages`; InvalidParam("messages") when the
+        template refuses them (raise_exception), e.g. roles out of order."""
+        try:
+            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                                      tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise InvalidParam("messages", f"the chat template refused the messages: {e}") from None
 
     @staticmethod
     def _log_user(rid: str, user: str | None) -> None:
@@ -119,11 +129,7 @@ class OpenAIAPI:
         name = self.check_model(body.model)
         body.refuse_not_implemented()
         top = body.top_k_logprobs()
-        try:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                      tokenize=False, add_generation_prompt=True)
-        except TemplateError as e:  # a template that refuses these messages (raise_exception), e.g. roles out of order
-            raise InvalidParam("messages", f"the chat template refused the messages: {e}") from None
+        text = self.chat_text(body.messages, add_generation_prompt=True)
         requested, param = (body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None \
             else (body.max_tokens, "max_tokens")
         queued = self.client.submit([text], body.choices_per_prompt,
@@ -164,17 +170,13 @@ class OpenAIAPI:
     def tokenize(self, body: TokenizeRequest) -> dict:
         """As vLLM and SGLang answer: {tokens, count, max_model_len} (lists of them for a list of prompts)."""
         self.check_model(body.model)
+        texts, batched = body.texts(self.chat_text)
         try:
-            texts, batched = body.texts(lambda m, **kw: self.tokenizer.apply_chat_template(m, tokenize=False, **kw))
-        except TemplateError as e:  # as in /v1/chat/completions: a template that refuses these messages
-            raise InvalidParam("messages", f"the chat template refused the messages: {e}") from None
-        for t in texts:
-            try:
-                t.encode()
-            except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
-                field = "prompt" if body.prompt is not None else "messages"
-                raise InvalidParam(field, f"{field} is not valid Unicode: {e.reason} at character {e.start}") from None
-        ids = [self.tokenizer(t, add_special_tokens=body.add_special_tokens)["input_ids"] for t in texts]
+            ids = [self.client.encode(t, body.add_special_tokens) for t in texts]
+        except InvalidParam as e:  # text the engine refuses (a lone surrogate): the messages', when they were given
+            if body.messages is None:
+                raise
+            raise InvalidParam("messages", str(e)) from None
         out = {"tokens": ids, "count": [len(x) for x in ids], "max_model_len": self.client.info.max_model_len}
         if body.return_token_strs:
             out["token_strs"] = [self.tokenizer.convert_ids_to_tokens(x) for x in ids]

@@ -10,7 +10,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sala.engine import InvalidParam, RequestOutput, SamplingParams, SpecStats, TokenBytes, TokenLogprob
+from sala.engine import InvalidParam, RequestOutput, SamplingParams, SpecStats, TokenLogprob
+from serve.token_bytes import TokenBytes
 
 
 class _Body(BaseModel):
@@ -156,14 +157,14 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False  # vLLM
 
     def texts(self, chat_template) -> tuple[list[str], bool]:
-        """-> (texts, batched): the texts to tokenize, and whether the answer is a list of them."""
+        """-> (texts, batched): the texts to tokenize, and whether the answer is a list of them.
+        chat_template(messages, add_generation_prompt=...) is the text the messages make."""
         if (self.prompt is None) == (self.messages is None):
             raise InvalidParam("prompt", "give exactly one of prompt or messages")
         if self.messages is not None:
             if not self.messages:
                 raise InvalidParam("messages", "messages is empty")
-            return [chat_template([{"role": m.role, "content": m.text()} for m in self.messages],
-                                  add_generation_prompt=self.add_generation_prompt)], False
+            return [chat_template(self.messages, add_generation_prompt=self.add_generation_prompt)], False
         return ([self.prompt], False) if isinstance(self.prompt, str) else (list(self.prompt), True)
 
 
@@ -295,13 +296,14 @@ def usage(choices: list[Choice], prompt_tokens: int, n: int = 1) -> dict:
 
 def spec_stats(choices: list[Choice]) -> dict:
     """Medusa's per-request counters (none without Medusa), SGLang's names: verify steps, drafted
-    and accepted tokens (the bonus token not counted), accept length = 1 + accepted / verify steps."""
+    and accepted tokens (the bonus token not counted), and the engine's accept length of their sum."""
     stats = [c.spec for c in choices if c.spec is not None]
     if not stats:
         return {}
-    steps, accepted = sum(s.verify_steps for s in stats), sum(s.accepted_tokens for s in stats)
-    return {"spec_verify_ct": steps, "spec_draft_token_num": sum(s.draft_tokens for s in stats),
-            "spec_accept_token_num": accepted, "spec_accept_length": 1 + accepted / steps if steps else 0.0}
+    total = SpecStats(sum(s.verify_steps for s in stats), sum(s.draft_tokens for s in stats),
+                      sum(s.accepted_tokens for s in stats))
+    return {"spec_verify_ct": total.verify_steps, "spec_draft_token_num": total.draft_tokens,
+            "spec_accept_token_num": total.accepted_tokens, "spec_accept_length": total.accept_length}
 
 
 class TokenText:

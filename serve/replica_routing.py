@@ -116,15 +116,6 @@ class ServedPrompts:
 
     async def summary(self, client: EngineClient, block_chars: int) -> list[int]:
         """held_blocks, from what the engine's prefix cache could resume now."""
-        engine, tokens = client.engine, dict(self.tokens)
-
-        def look_up() -> tuple[int, dict[str, int]]:  # on the step thread, whose the prefix cache is
-            prefix = engine.stats().prefix
-            if prefix is None:
-                return 0, dict.fromkeys(tokens, 0)
-            evicted = prefix.evicted_pages
-            return evicted, {k: engine.cached_prefix_len(ids) for k, ids in self.to_look_up(tokens, evicted).items()}
-
-        evicted, looked_up = await client.between_steps(look_up)
+        tokens = dict(self.tokens)
+        evicted, looked_up = await client.cached_prefix_lens(lambda evicted: self.to_look_up(tokens, evicted))
         return self.held_blocks(looked_up, evicted, block_chars)
-

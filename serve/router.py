@@ -49,6 +49,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from serve.errors import APIError, error_body
+
 log = logging.getLogger("sala.serve")
 REPLICA_HEADER = b"x-sala-replica"  # on every response through the router: which replica answered
 SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path", "query_string",
@@ -316,23 +318,15 @@ class RelayedResponse(Response):
                 if attempt < self.attempts:
                     await asyncio.sleep(0.2 * attempt)  # Serve's router learns of the death meanwhile
                     continue
-                await error_response(503, f"no replica could serve the request: {type(e).__name__}", "server_error",
-                                     "unavailable")(scope, receive, send)
+                await APIError(503, f"no replica could serve the request: {type(e).__name__}", "server_error",
+                               code="unavailable").response()(scope, receive, send)
 
 
 def lost_stream_events(e: Exception) -> bytes:
     """The end of a stream whose replica was lost: OpenAI's in-band error event, then `[DONE]`."""
     body = error_body(f"the replica serving this stream was lost ({type(e).__name__}); the output is incomplete",
-                      "server_error", "replica_lost")
+                      "server_error", code="replica_lost")
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
-
-
-def error_body(message: str, type: str, code: str | None) -> dict:
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
-
-
-def error_response(status: int, message: str, type: str, code: str | None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, code), status)
 
 
 # On the head node: every request passes through the ingress, so it goes where the cluster's
@@ -449,7 +443,7 @@ class Answer:
 
 
 def unavailable() -> JSONResponse:
-    return error_response(503, "no replica answered", "server_error", "unavailable")
+    return APIError(503, "no replica answered", "server_error", code="unavailable").response()
 
 
 def merged_metrics(answers: dict[str, Answer], router: PrefixAffinityRouter | None) -> Response:

@@ -73,14 +73,14 @@ def request_of(model: type[BaseModel], request) -> BaseModel:
 class SalaServer:
     def __init__(self, model: str | None = None, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, num_threads: int | None = None,
-                 num_gpus: float = 0, deterministic: bool = False, engine_kwargs: dict | None = None):
+                 num_gpus: float = 0, batch_invariant: bool = False, engine_kwargs: dict | None = None):
         import torch
 
         if num_threads:
             torch.set_num_threads(num_threads)
         device = gpu_device(num_gpus)  # before the download: a replica without CUDA fails at once
         path = resolve_model_path(model)
-        engine = Engine.from_pretrained(path, device=device, batch_invariant=deterministic, **(engine_kwargs or {}))
+        engine = Engine.from_pretrained(path, device=device, batch_invariant=batch_invariant, **(engine_kwargs or {}))
         # Most of a replica's start-up, of which Serve itself says only that the replica "has taken
         # more than 30s to initialize": say what it is and how long it takes.
         serve_log = logging.getLogger("ray.serve")
@@ -93,7 +93,7 @@ class SalaServer:
         names = served_names(served_model_name) or [model_name(model, path)]
         self.api_key, self.max_body_bytes = api_key or None, max_body_bytes
         self.openai = OpenAIAPI(self.client, names)
-        self.sglang = SGLangAPI(self.client, ServerFacts(str(path), names, deterministic, max_tokens_limit, max_body_bytes,
+        self.sglang = SGLangAPI(self.client, ServerFacts(str(path), names, batch_invariant, max_tokens_limit, max_body_bytes,
                                                          self.api_key is not None))
         self.served = ServedPrompts()
 

@@ -21,7 +21,7 @@ class ServerFacts:
 
     model_path: str
     names: list[str]
-    deterministic: bool
+    batch_invariant: bool
     max_tokens_limit: int
     max_body_bytes: int
     api_key_required: bool
@@ -78,7 +78,7 @@ class SGLangAPI:
 
     async def flush_cache(self) -> dict:
         """Drop every cached prefix page no running request holds."""
-        return {"flushed_pages": await self.client.between_steps(self.client.engine.flush_prefix_cache)}
+        return {"flushed_pages": await self.client.flush_prefix_cache()}
 
     def model_info(self) -> dict:
         f, info = self.facts, self.client.info
@@ -92,5 +92,5 @@ class SGLangAPI:
                 "max_total_num_tokens": info.max_kv_tokens, "page_size": info.page_size,
                 "chunked_prefill_size": info.max_batch_tokens, "max_queued_requests": info.max_waiting,
                 "max_tokens_limit": f.max_tokens_limit, "max_body_bytes": f.max_body_bytes, "max_n": MAX_N,
-                "deterministic": f.deterministic, "compiled_decode": info.compiled_decode,
+                "batch_invariant": f.batch_invariant, "compiled_decode": info.compiled_decode,
                 "api_key_required": f.api_key_required, "running_requests": stats.running, "queued_requests": stats.waiting}

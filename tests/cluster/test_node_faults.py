@@ -127,7 +127,7 @@ def expected_rows(tiny_sala_dir, prompts):
 def generate(env, prompts_file, tiny_sala_dir, out: Path) -> Job:
     return Job.pipeline(env, "generate.py", "--dataset", str(prompts_file), "--output", str(out), "--model",
                         str(tiny_sala_dir), "--replicas", "2", "--num-cpus", "1", "--batch-size", str(BATCH),
-                        "--max-tokens", str(TOKENS), "--deterministic")
+                        "--max-tokens", str(TOKENS), "--batch-invariant")
 
 
 def assert_every_row_once(out: Path, expected: dict):

@@ -69,7 +69,7 @@ def test_own_baseline_is_exactly_zero_at_every_batch_size_and_a_perturbed_model_
 
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
-    yield from serve_tiny_sala(tiny_sala_dir, "sala", deterministic=True, max_seqs=32, max_waiting=64)
+    yield from serve_tiny_sala(tiny_sala_dir, "sala", batch_invariant=True, max_seqs=32, max_waiting=64)
 
 
 def test_server_over_http_both_apis_without_torch_on_the_client(server, baselines, tmp_path):

@@ -57,7 +57,7 @@ def test_jsonl_with_malformed_rows(tiny_sala_dir, tmp_path, local_ray, mlflow_st
         with contextlib.redirect_stdout(io.StringIO()) as stdout, warnings.catch_warnings():  # not capsys: Ray's
             warnings.simplefilter("error", RayDeprecationWarning)  # loggers would keep its stream
             code = generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
-                                  "--max-tokens", "4", "--batch-size", "50", "--logprobs", "2", "--deterministic",
+                                  "--max-tokens", "4", "--batch-size", "50", "--logprobs", "2", "--batch-invariant",
                                   "--num-cpus", "2"])
     finally:
         logging.getLogger("ray.data").removeHandler(ray_data_log)
@@ -111,7 +111,7 @@ def test_parquet_messages_column(tiny_sala_dir, tmp_path, local_ray, mlflow_stor
     pq.write_table(pa.table({"conversation": chats, "tag": ["a", "b", "c"]}), str(data))
     out = tmp_path / "out"
     assert generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
-                          "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5", "--deterministic",
+                          "--messages-column", "conversation", "--max-tokens", "5", "--num-cpus", "0.5", "--batch-invariant",
                           "--repetition-penalty", "1.3", "--min-tokens", "3", "--logit-bias", "17=2.5"]) == 0
     table = pq.read_table(str(out)).to_pandas()
     assert list(table["tag"]) == ["a", "b", "c"] and table[generate.ERROR].isna().all()
@@ -144,7 +144,7 @@ def test_dataset_dict_feeds_calibration_and_batch_generation(tiny_sala_dir, tmp_
     out = tmp_path / "out"
     assert generate.main(["--dataset", str(tmp_path / "dd"), "--split", "train", "--output", str(out),
                           "--model", str(tiny_sala_dir), "--messages-column", "messages", "--max-tokens", "5",
-                          "--num-cpus", "0.5", "--deterministic"]) == 0
+                          "--num-cpus", "0.5", "--batch-invariant"]) == 0
     table = pq.read_table(str(out)).to_pandas()
     templated = [local_engine.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     expected = local_engine.generate(templated, SamplingParams(max_tokens=5, temperature=0, repetition_penalty=1.3,
@@ -156,7 +156,7 @@ def test_dataset_dict_feeds_calibration_and_batch_generation(tiny_sala_dir, tmp_
                                                               "test": [{"prompt": "The json module"}]})
     out = tmp_path / "out-cached"
     assert generate.main(["--dataset", "sala_prompts", "--split", "test", "--output", str(out), "--model", str(tiny_sala_dir),
-                          "--max-tokens", "3", "--num-cpus", "0.5", "--deterministic"]) == 0
+                          "--max-tokens", "3", "--num-cpus", "0.5", "--batch-invariant"]) == 0
     (row,) = pq.read_table(str(out)).to_pylist()
     assert row["prompt"] == "The json module"
     assert row["generated_text"] == local_engine.generate(["The json module"], SamplingParams(max_tokens=3, temperature=0))[0].text

@@ -31,9 +31,9 @@ ALIAS = "sala-alias"
 
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
-    # deterministic: outputs are compared bitwise with an engine in this process (batch-invariant by default)
+    # batch_invariant: outputs are compared bitwise with an engine in this process (batch-invariant by default)
     yield from serve_tiny_sala(tiny_sala_dir, "sala", served_model_name=[MODEL, ALIAS], api_key=API_KEY,
-                               deterministic=True, max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4,
+                               batch_invariant=True, max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4,
                                max_waiting=4)
 
 
@@ -223,6 +223,9 @@ BAD_REQUESTS = [
     ("/abort_request", {}, {}, 400, "rid"),
     ("/v1/completions", {"prompt": "lone \ud800 surrogate"}, {}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, {}, 400, "messages"),
+    ("/tokenize", {"prompt": "lone \ud800 surrogate"}, {}, 400, "prompt"),
+    ("/tokenize", {"prompt": ["x", "\ud800"], "add_special_tokens": False}, {}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}, {}, 400, "messages"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, {}, 400, "sampling_params.max_new_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer clé".encode()}, 401, None),
@@ -335,7 +338,7 @@ def test_stop_reason_and_matched_name_the_stop(client, http, local_engine):
 def test_logprob_bytes_are_the_tokens_bytes(client, local_engine):
     """A token that is the first byte of a 3-byte character, forced by logit_bias: its text is
     U+FFFD, its bytes the one byte it stands for."""
-    from sala.engine.detokenizer import TokenBytes
+    from serve.token_bytes import TokenBytes
 
     to_bytes = TokenBytes(local_engine.tokenizer)
     (piece, *_) = local_engine.tokenizer("東", add_special_tokens=False)["input_ids"]
@@ -367,7 +370,7 @@ def test_rid_abort_and_server_info(http, server, local_engine):
     assert info["is_generation"] and info["served_model_names"] == [MODEL, ALIAS] and Path(info["model_path"]).is_dir()
     server_info = http.get("/get_server_info").json()
     assert server_info["max_running_requests"] == 4 and server_info["max_tokens_limit"] == 256
-    assert server_info["deterministic"] is True and server_info["api_key_required"] is True
+    assert server_info["batch_invariant"] is True and server_info["api_key_required"] is True
 
 
 def metric_samples(server) -> dict:
@@ -446,8 +449,8 @@ def test_num_gpus_without_cuda_is_a_clear_error(tiny_sala_dir):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    args = parse_args(["--num-gpus", "1", "--deterministic", "--served-model-name", "a", "b"])
-    assert (args.num_gpus, args.deterministic, args.served_model_name) == (1.0, True, ["a", "b"])
+    args = parse_args(["--num-gpus", "1", "--batch-invariant", "--served-model-name", "a", "b"])
+    assert (args.num_gpus, args.batch_invariant, args.served_model_name) == (1.0, True, ["a", "b"])
     assert gpu_device(0) == "cpu"
     with pytest.raises(DeviceUnavailable, match="sees no CUDA device"):  # what a replica given GPUs checks first
         gpu_device(1)

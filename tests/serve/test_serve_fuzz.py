@@ -35,7 +35,7 @@ RSS_GROWTH_LIMIT = 0.05
 
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
-    yield from serve_tiny_sala(tiny_sala_dir, "sala-fuzz", api_key=API_KEY, deterministic=True,
+    yield from serve_tiny_sala(tiny_sala_dir, "sala-fuzz", api_key=API_KEY, batch_invariant=True,
                                max_body_bytes=16 << 10, max_tokens_limit=4, max_seqs=4)
 
 
@@ -71,10 +71,11 @@ def baseline(http):
 # ---------------------------------------------------------------- strategies
 def routes() -> list[tuple[str, str]]:
     """Every (path, method) the app serves, from its OpenAPI schema (so routes added later are fuzzed too);
-    the app as a replica builds it, without a server behind it (the schema calls no route)."""
+    the app as a replica builds it, over the server class rather than a replica (the schema calls no route)."""
     from serve.http import build_api
+    from serve.server import SalaServer
 
-    api = build_api(None, api_key=None, max_body_bytes=0)
+    api = build_api(SalaServer.func_or_class, api_key=None, max_body_bytes=0)
     return sorted((path, method.upper()) for path, ops in api.openapi()["paths"].items() for method in ops)
 
 

@@ -17,7 +17,7 @@ PROMPTS = ["The json module", "def fib(n):", "A list is", "Q: what is a dict?"]
 
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
-    yield from serve_tiny_sala(tiny_sala_dir, APP, deterministic=True, compile=False, max_tokens_limit=64)
+    yield from serve_tiny_sala(tiny_sala_dir, APP, batch_invariant=True, compile=False, max_tokens_limit=64)
 
 
 def over_http(server: str, path: str, body: dict) -> dict:
