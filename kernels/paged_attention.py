@@ -14,8 +14,8 @@ The Triton kernel (flash decoding) runs one program per (sequence, kv head, cont
   132 SMs: each program covers ``split_len`` tokens with an fp32 online softmax and writes its
   unnormalised output, running max and sum; a second kernel merges the splits of each query
   head in split order. The split length is a fixed number of tokens, not a function of the
-  batch, so a sequence's result does not depend on what else is in the batch (engine.md,
-  Determinism). A context of one split goes through the merge too.
+  batch, so a sequence's result does not depend on what else is in the batch
+  (docs/design/batch-invariance.md). A context of one split goes through the merge too.
 
 Quantized pages (sala/kv formats) go through the same kernel, dequantized in registers: FP8
 E4M3 bytes, or NVFP4 (two E2M1 codes a byte, one FP8 scale per 16 elements of head_dim). A

@@ -31,8 +31,8 @@ DEFAULT_SPARSE_CONFIG = {
 }
 
 
-# The released 9B checkpoint's config.json (openbmb/MiniCPM-SALA; shared/design/specs/
-# sala-architecture.md, section 1), verbatim: the shapes the kernels are built and checked for.
+# The released 9B checkpoint's config.json (openbmb/MiniCPM-SALA; docs/design/architecture.md),
+# verbatim: the shapes the kernels are built and checked for.
 MINICPM_SALA_9B = {
     "architectures": [ARCHITECTURE],
     "auto_map": {

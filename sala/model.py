@@ -1,4 +1,4 @@
-"""SALAForCausalLM: MiniCPM-SALA in plain PyTorch (shared/design/specs/sala-architecture.md).
+"""SALAForCausalLM: MiniCPM-SALA in plain PyTorch (docs/design/architecture.md).
 
 Layers mix two mixers:
 - "minicpm4" (sparse) layers: softmax attention with GQA, no RoPE, sigmoid output gate, a KV cache.

@@ -4,13 +4,13 @@ A codec turns K or V rows [..., kv_heads, head_dim] into what a page stores and 
 
 - dense (bf16; fp32 / fp16 only as the engine's no-plan default): the values themselves;
 - fp8: E4M3 with one dequantization scale per kv head, ``k = k_fp8 * k_scale``, as vLLM and
-  compressed-tensors define it (shared/design/specs/nvfp4-gptq-fouroversix.md 6.1). Scales
+  compressed-tensors define it (docs/design/nvfp4-format.md, K/V in pages). Scales
   come from calibration (``amax / 448`` per head) or, without it, are computed on write: one
   fp32 scale per token and head, stored beside the page row (4 bytes per head_dim values);
 - nvfp4: two E2M1 codes a byte, one FP8 scale per 16 elements along head_dim and a per-layer
   fp32 global scale (encode direction, ``S * 6 / amax`` from calibration, 1.0 without it),
   the weight format of sala/quant/nvfp4.py applied to K/V rows; ``nvfp4_4over6`` picks each
-  group's scale by FourOverSix (section 2), the same physical layout.
+  group's scale by FourOverSix (docs/design/nvfp4-format.md), the same physical layout.
 
 Rows are quantized independently (per token, per head), so a token's stored K/V do not depend
 on what else is written with it: the engine's pages and a full forward that quantizes its K/V

@@ -84,7 +84,7 @@ def load(checkpoint: str) -> tuple[dict, dict]:
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    # The flags of the README's launch command ("Serve it with SGLang").
+    # The flags of the launch command in docs/sglang.md.
     server_args = ServerArgs(model_path=checkpoint, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
     reset_context()
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))

@@ -103,7 +103,7 @@ def _same(ours, theirs) -> bool:
 
 
 def test_sglang_applies_its_sala_overrides(loaded):
-    # What `launch_server` resolves for SALA (the README's "Serve it with SGLang" relies on it):
+    # What `launch_server` resolves for SALA (docs/sglang.md's launch command relies on it):
     # no radix cache, the sparse backend (flash-attention build on sm_90), one token per page.
     for name, (_, report, _) in loaded.items():
         assert report["server_args"] == {"disable_radix_cache": True, "attention_backend": "minicpm_flashattn",

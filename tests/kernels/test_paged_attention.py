@@ -105,7 +105,7 @@ def test_long_context_in_a_much_wider_table_across_default_splits(index_dtype):
 
 def test_kernel_result_does_not_depend_on_the_batch():
     # A sequence's split boundaries are fixed token counts, so alone in a narrow table or beside
-    # others in a wide one, its output is the same bit for bit (engine.md, Determinism).
+    # others in a wide one, its output is the same bit for bit (docs/design/batch-invariance.md).
     q, k_cache, v_cache, tables, lens = paged_problem(8, 2, 32, torch.bfloat16, seed=3)
     together = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.2, split_len=32)
     for i in (0, 2, 4, 5):  # 1 and 16 tokens: one split alone, merged from several together

@@ -128,14 +128,17 @@ def test_registered_model_installs_this_project_and_generates_through_the_engine
 
     # Loaded from the registry, the pyfunc generates with the engine what the model's own greedy
     # forward does, honouring max_new_tokens; so does a request as `mlflow models serve` gets it:
-    # the README's, parsed by MLflow's scoring server, with its params kept (the signature lists them).
+    # the documented ones, parsed by MLflow's scoring server, with its params kept (the signature lists them).
     model = mlflow.pyfunc.load_model(uri)
     base = load_model(tiny_sala_dir)
     tokenizer = model.unwrap_python_model().engine.tokenizer
     prompts = ["The for statement", "def fib(n):", "A list is"]
     assert model.predict(prompts, params={"max_new_tokens": 5}) == [greedy_text(base, tokenizer, p, 5) for p in prompts]
-    bodies = re.findall(r"curl -s 127.0.0.1:5001/invocations .* -d '(.*)'", (ROOT / "README.md").read_text())
-    assert len(bodies) == 2  # the main job's next steps, and "Serve it with MLflow"
+    # One in the README (the main job's next steps), one in docs/registry.md (serving a registered version).
+    found = {doc: re.findall(r"curl -s 127.0.0.1:5001/invocations .* -d '(.*)'", (ROOT / doc).read_text())
+             for doc in ("README.md", "docs/registry.md")}
+    assert [len(b) for b in found.values()] == [1, 1], found
+    bodies = [body for doc_bodies in found.values() for body in doc_bodies]
     for body in bodies:
         request = json.loads(body)
         answer = invocations(body, "application/json", model, model.metadata.get_input_schema())

@@ -2,8 +2,8 @@
 
 Expected outputs come from the engine run in this process on the same weights (the engine is
 itself checked against the model's full forward in test_engine.py) and, for logprobs, from the
-full forward directly. The README's serving commands run as written, in a shell, against
-`python -m serve.app` started from a registry URI.
+full forward directly. The serving commands of docs/serving.md run as written, in a shell,
+against `python -m serve.app` started from a registry URI.
 """
 import asyncio
 import json
@@ -461,13 +461,19 @@ def test_num_gpus_without_cuda_is_a_clear_error(tiny_sala_dir):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def readme_serving_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    return text[text.index("## Serving"):text.index("\n## ", text.index("## Serving") + 1)]
+SERVING_DOC = ROOT / "docs" / "serving.md"
+SERVING_SECTION = "## Start a server and send requests"
+
+
+def serving_docs_section() -> str:
+    """docs/serving.md's section of commands, up to the next section."""
+    text = SERVING_DOC.read_text()
+    start = text.index(SERVING_SECTION)
+    return text[start:text.index("\n## ", start + 1)]
 
 
 def shell_commands(section: str, first_word: str) -> list[str]:
-    """The README's commands starting with first_word, continuation lines joined, comments dropped."""
+    """The documented commands starting with first_word, continuation lines joined, comments dropped."""
     lines = section.replace("\\\n", " ").splitlines()
     return [re.sub(r"\s+# .*$", "", line).strip() for line in lines if line.startswith(first_word + " ")]
 
@@ -514,8 +520,8 @@ def finish(proc: subprocess.Popen, out: list[str], timeout: float = 60) -> str:
     return "".join(out) + rest
 
 
-def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
-    section = readme_serving_section()
+def test_documented_serving_commands_against_a_registry_uri(registered_tiny_sala):
+    section = serving_docs_section()
     (serve_cmd,) = [c for c in shell_commands(section, "python") if "serve.app" in c]
     assert "models:/tiny-sala-nvfp4@champion" in serve_cmd
     port = free_port()
@@ -550,11 +556,11 @@ def test_readme_serving_commands_against_a_registry_uri(registered_tiny_sala):
         printed = re.fullmatch(r"(?s)(.*)\n\[finish_reason: (stop|length)\]\n", py.stdout)
         assert py.returncode == 0 and printed, py.stdout + py.stderr
         assert printed[2] == "stop" or printed[1].strip(), "64 tokens streamed and none printed"
-        # The README's stop instruction, as the server printed it (with its dashboard's address
+        # The documented stop instruction, as the server printed it (with its dashboard's address
         # when that is not Ray's default).
         # It names this environment's serve script by its full path, and runs without it on PATH.
-        (readme_stop,) = [c for c in shell_commands(section, "RAY_AUTH_MODE=token")]
-        assert stop_cmd.startswith(readme_stop.replace(".venv/bin/serve", os.path.join(sysconfig.get_path("scripts"), "serve")))
+        (documented_stop,) = [c for c in shell_commands(section, "RAY_AUTH_MODE=token")]
+        assert stop_cmd.startswith(documented_stop.replace(".venv/bin/serve", os.path.join(sysconfig.get_path("scripts"), "serve")))
         stop = subprocess.run(["bash", "-c", stop_cmd], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PATH": "/usr/bin:/bin"})
         assert stop.returncode == 0 and "Sent shutdown request" in stop.stdout + stop.stderr, stop.stdout + stop.stderr
