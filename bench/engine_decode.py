@@ -17,7 +17,7 @@ Three measurements, all in this run:
    time in its compiled forward, median over 16 steps. On a GPU the forward is the device's
    work; this is what must stay well under it (a 9B NVFP4 step reads ~6 GB: ~1.3 ms on an H200).
 
-    python bench/engine_decode.py [--new-tokens 64] [--prompt-tokens 32] [--threads 2]
+    python bench/engine_decode.py [--new-tokens 64] [--prompt-tokens 32] [--threads 2] [--only host]
 """
 import argparse
 import json
@@ -121,23 +121,8 @@ def serving_workload(rng: random.Random, stream: list[int], n: int = 64):
     return reqs
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=64, help="requests in the serving-shaped workload")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    path = ensure_tiny_sala()
-    model = load_model(path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    stream = tok("\n\n".join(heldout_texts(path)))["input_ids"]
-    prompts = [stream[:1] + stream[1 + 50 * i : args.prompt_tokens + 50 * i] for i in range(max(args.batches))]
+def throughput(args, path, model, tok, stream, prompts, result: dict) -> None:
+    """Measurements 1-3: tokens/s against generate(), the serving-shaped workload, ops per step."""
     n = args.new_tokens
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     engines = {"engine, eager": Engine(load_model(path), tok, compile=False),
@@ -145,7 +130,7 @@ def main():
                "engine, evaluation mode": Engine(load_model(path), tok, batch_invariant=True)}
     keys = {"engine, eager": "eager", "engine, compiled": "compiled", "engine, evaluation mode": "invariant"}
 
-    rows, result = [], {"new_tokens": n, "prompt_tokens": args.prompt_tokens, "threads": args.threads}
+    rows = []
     for b in args.batches:
         batch = prompts[:b]
         hf_tokens = hf_generate(model, batch, n)  # also the warm-up
@@ -196,6 +181,29 @@ def main():
         print(f"  {name:<24} {count:>5}")
     result |= {"ops_hf": ops["generate() model call"], "ops_engine_eager": ops["engine eager step"],
                "ops_engine_compiled": ops["engine compiled step"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=64, help="requests in the serving-shaped workload")
+    ap.add_argument("--only", choices=["host"], help="host: only measurement 4, the host time outside the forward")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = ensure_tiny_sala()
+    model = load_model(path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    stream = tok("\n\n".join(heldout_texts(path)))["input_ids"]
+    prompts = [stream[:1] + stream[1 + 50 * i : args.prompt_tokens + 50 * i] for i in range(max(args.batches))]
+    result = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "threads": args.threads}
+    if args.only != "host":
+        throughput(args, path, model, tok, stream, prompts, result)
 
     # Host time outside the forward.
     wide = Engine(load_model(path), tok, max_seqs=64)
