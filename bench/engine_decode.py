@@ -121,8 +121,26 @@ def serving_workload(rng: random.Random, stream: list[int], n: int = 64):
     return reqs
 
 
-def throughput(args, path, model, tok, stream, prompts, result: dict) -> None:
-    """Measurements 1-3: tokens/s against generate(), the serving-shaped workload, ops per step."""
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=64, help="requests in the serving-shaped workload")
+    ap.add_argument("--only", choices=["host"], help="host: only measurement 4, the host time outside the forward")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = ensure_tiny_sala()
+    model = load_model(path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    stream = tok("\n\n".join(heldout_texts(path)))["input_ids"]
+    prompts = [stream[:1] + stream[1 + 50 * i : args.prompt_tokens + 50 * i] for i in range(max(args.batches))]
+    if args.only == "host":
+        return host_times(path, tok, prompts[0], {"prompt_tokens": args.prompt_tokens, "threads": args.threads})
     n = args.new_tokens
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     engines = {"engine, eager": Engine(load_model(path), tok, compile=False),
@@ -130,7 +148,7 @@ def throughput(args, path, model, tok, stream, prompts, result: dict) -> None:
                "engine, evaluation mode": Engine(load_model(path), tok, batch_invariant=True)}
     keys = {"engine, eager": "eager", "engine, compiled": "compiled", "engine, evaluation mode": "invariant"}
 
-    rows = []
+    rows, result = [], {"new_tokens": n, "prompt_tokens": args.prompt_tokens, "threads": args.threads}
     for b in args.batches:
         batch = prompts[:b]
         hf_tokens = hf_generate(model, batch, n)  # also the warm-up
@@ -182,35 +200,16 @@ def throughput(args, path, model, tok, stream, prompts, result: dict) -> None:
     result |= {"ops_hf": ops["generate() model call"], "ops_engine_eager": ops["engine eager step"],
                "ops_engine_compiled": ops["engine compiled step"]}
 
+    host_times(path, tok, prompts[0], result)
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=64, help="requests in the serving-shaped workload")
-    ap.add_argument("--only", choices=["host"], help="host: only measurement 4, the host time outside the forward")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    path = ensure_tiny_sala()
-    model = load_model(path)
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
-    stream = tok("\n\n".join(heldout_texts(path)))["input_ids"]
-    prompts = [stream[:1] + stream[1 + 50 * i : args.prompt_tokens + 50 * i] for i in range(max(args.batches))]
-    result = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "threads": args.threads}
-    if args.only != "host":
-        throughput(args, path, model, tok, stream, prompts, result)
-
-    # Host time outside the forward.
+def host_times(path, tok, prompt: list[int], result: dict) -> None:
+    """Measurement 4: host time outside the forward."""
     wide = Engine(load_model(path), tok, max_seqs=64)
-    wide.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # compile
+    wide.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # compile
     print("\nhost time per decode step outside the compiled forward (scheduling, step context, sampling, emitting)")
     for b in (1, 8, 64):
-        ms = host_ms_outside_forward(wide, prompts[0], b)
+        ms = host_ms_outside_forward(wide, prompt, b)
         print(f"  batch {b:>2}: {ms:6.3f} ms")
         result[f"host_ms_b{b}"] = round(ms, 3)
     print(json.dumps(result))
