@@ -17,7 +17,7 @@ Three measurements, all in this run:
    time in its compiled forward, median over 16 steps. On a GPU the forward is the device's
    work; this is what must stay well under it (a 9B NVFP4 step reads ~6 GB: ~1.3 ms on an H200).
 
-    python bench/engine_decode.py [--new-tokens 64] [--prompt-tokens 32] [--threads 2]
+    python bench/engine_decode.py [--new-tokens 64] [--prompt-tokens 32] [--threads 2] [--only host]
 """
 import argparse
 import json
@@ -129,6 +129,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--requests", type=int, default=64, help="requests in the serving-shaped workload")
+    ap.add_argument("--only", choices=["host"], help="host: only measurement 4, the host time outside the forward")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_tiny_sala()
@@ -138,6 +139,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(path)
     stream = tok("\n\n".join(heldout_texts(path)))["input_ids"]
     prompts = [stream[:1] + stream[1 + 50 * i : args.prompt_tokens + 50 * i] for i in range(max(args.batches))]
+    if args.only == "host":
+        return host_times(path, tok, prompts[0], {"prompt_tokens": args.prompt_tokens, "threads": args.threads})
     n = args.new_tokens
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     engines = {"engine, eager": Engine(load_model(path), tok, compile=False),
@@ -197,12 +200,16 @@ def main():
     result |= {"ops_hf": ops["generate() model call"], "ops_engine_eager": ops["engine eager step"],
                "ops_engine_compiled": ops["engine compiled step"]}
 
-    # Host time outside the forward.
+    host_times(path, tok, prompts[0], result)
+
+
+def host_times(path, tok, prompt: list[int], result: dict) -> None:
+    """Measurement 4: host time outside the forward."""
     wide = Engine(load_model(path), tok, max_seqs=64)
-    wide.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # compile
+    wide.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # compile
     print("\nhost time per decode step outside the compiled forward (scheduling, step context, sampling, emitting)")
     for b in (1, 8, 64):
-        ms = host_ms_outside_forward(wide, prompts[0], b)
+        ms = host_ms_outside_forward(wide, prompt, b)
         print(f"  batch {b:>2}: {ms:6.3f} ms")
         result[f"host_ms_b{b}"] = round(ms, 3)
     print(json.dumps(result))
