@@ -104,13 +104,12 @@ def prompt_key(path: str, body: bytes) -> str | None:
     return None
 
 
-def block_hashes(key: str, block_chars: int, limit: int | None = None) -> list[int]:
-    """Chained hashes of key's whole `block_chars`-character blocks (of its first `limit`
-    characters): a block's hash covers everything before it, as the engine's page trie keys pages
-    by their whole prefix. The same in every process (replicas report blocks by these)."""
+def block_hashes(key: str, block_chars: int) -> list[int]:
+    """Chained hashes of key's whole `block_chars`-character blocks: a block's hash covers
+    everything before it, as the engine's page trie keys pages by their whole prefix. The same in
+    every process (replicas report blocks by these)."""
     out, h = [], b""
-    end = len(key) if limit is None else min(limit, len(key))
-    for i in range(0, end - block_chars + 1, block_chars):
+    for i in range(0, len(key) - block_chars + 1, block_chars):
         h = hashlib.blake2b(h + key[i : i + block_chars].encode("utf-8", "surrogatepass"), digest_size=8).digest()
         out.append(int.from_bytes(h, "little"))
     return out

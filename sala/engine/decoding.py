@@ -21,7 +21,7 @@ trees and a plain step. The engine's step names neither.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,6 +31,9 @@ from sala.engine.context import StepContext
 from sala.engine.graphs import CompiledDecode, CompiledStep, CudaGraphDecode
 from sala.engine.request import Request
 from sala.sampling import TokenLogprob, sample, token_logprobs
+
+if TYPE_CHECKING:
+    from sala.engine.medusa_decoding import Settled
 
 
 @dataclass
@@ -55,8 +58,7 @@ class StepOutput:
     hidden: torch.Tensor | None = None  # the heads' input at the sampled rows (a drafting step)
     prompt_targets: list[tuple[Request, int]] = field(default_factory=list)  # (request, prompt token it scores)
     prompt_logits: torch.Tensor | None = None  # [len(prompt_targets), V] fp32
-    # A compiled Medusa verify step's acceptance, made in its graph (sala/engine/medusa_decoding.py)
-    decided: tuple[torch.Tensor, torch.Tensor] | None = None
+    decided: Settled | None = None  # a compiled Medusa verify step's acceptance, made in its graph
 
 
 def draw(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]) -> list[Emitted]:
@@ -121,16 +123,19 @@ class PlainDecoding:
         """Each request's next token at its next position, reading its pages."""
         cache, dev = self.cache, self.cache.device
         width = max((len(r.pages) for r in reqs), default=0)
-        ctx = StepContext(cache, torch.tensor([r.num_computed for r in reqs], dtype=torch.long, device=dev),
-                          torch.tensor([cache.row(r, r.num_computed) for r in reqs], dtype=torch.long, device=dev),
-                          torch.tensor([r.pages + [cache.scratch_page] * (width - len(r.pages)) for r in reqs],
-                                       dtype=torch.long, device=dev).view(len(reqs), width),
-                          torch.tensor([r.num_computed + 1 for r in reqs], dtype=torch.long, device=dev),
-                          torch.tensor([r.state_slot for r in reqs], dtype=torch.long, device=dev),
-                          batch_invariant=self.config.batch_invariant)
+
+        def longs(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        ctx = StepContext(cache=cache, positions=longs([r.num_computed for r in reqs]),
+                          slot_mapping=longs([cache.row(r, r.num_computed) for r in reqs]),
+                          block_tables=longs([r.pages + [cache.scratch_page] * (width - len(r.pages))
+                                              for r in reqs]).view(len(reqs), width),
+                          context_lens=longs([r.num_computed + 1 for r in reqs]),
+                          state_slots=longs([r.state_slot for r in reqs]), batch_invariant=self.config.batch_invariant)
         if self._sparse_decodes(reqs):  # InfLLM-v2 needs each prompt's length; such steps run eagerly
             ctx.decode_prompt_lens = [len(r.prompt_ids) for r in reqs]
-        return torch.tensor([r.last_token for r in reqs], dtype=torch.long, device=dev), ctx
+        return longs([r.last_token for r in reqs]), ctx
 
     def _sparse_decodes(self, reqs: list[Request]) -> bool:
         """Whether a decode row attends sparsely (InfLLM-v2)."""

@@ -2,11 +2,10 @@
 
 Decoding each new token on its own is wrong twice over: byte-level BPE splits multi-byte
 characters across tokens (half a character decodes to U+FFFD), and SentencePiece-style
-tokenizers drop a leading space at the start of a decode. The tokenizers library's DecodeStream
-does in Rust what vLLM's prefix/read-offset window did here in Python (two decodes through
-transformers a token): the text of the new tokens is the decode of a short window (a few earlier
-tokens as context plus the new ones) minus the decode of the context alone, held back while it
-ends in U+FFFD. The first window's context is the prompt's last CONTEXT_TOKENS tokens (from the
+tokenizers drop a leading space at the start of a decode. So the tokenizers library's
+DecodeStream (one call into Rust a token) takes the text of the new tokens as the decode of a
+short window (a few earlier tokens as context plus the new ones) minus the decode of the context
+alone, held back while it ends in U+FFFD, as vLLM's prefix and read offsets do. The first window's context is the prompt's last CONTEXT_TOKENS tokens (from the
 start of a character), so the first generated token keeps its leading space mid-sentence.
 
 Stop strings: the output text is cut before the first occurrence of any of them (after it,

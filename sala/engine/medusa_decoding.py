@@ -48,6 +48,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -64,6 +65,14 @@ from sala.sampling import InvalidParam, SamplingParams, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 MIN_VERIFY_STEPS = 32
+
+
+class Settled(NamedTuple):
+    """A verify step's outcome per request: [R, 2 + P] its accepted length, its path's tokens
+    root first, its bonus token; [R, heads, topk] the drafts at its last accepted node."""
+
+    emitted: torch.Tensor
+    drafts: torch.Tensor
 
 
 def greedy_batch(reqs: list[Request]) -> bool:
@@ -129,8 +138,7 @@ class MedusaDecoding:
     def settle(self, acc: medusa_accept.Accepted, ctx: StepContext, tokens: torch.Tensor, hidden: torch.Tensor,
                bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After acceptance, in tensor ops alone (the compiled greedy graph runs it too): the
-        commit, then ([R, 2 + P] each request's accepted length, its path's tokens root first,
-        its bonus token; [R, heads, topk] the drafts at its last accepted node)."""
+        commit, then the fields of a Settled (a plain tuple: what a compiled graph returns)."""
         self.commit(ctx, acc)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         drafts = self.heads.draft_tokens(hidden[rows, acc.last_nodes()], self.model.lm_head)
@@ -253,9 +261,10 @@ class TreeVerify:
         kv_rows = tables[:, pos // cache.page_size] * cache.page_size + pos % cache.page_size
         positions = (computed[:, None] + tree.depths).flatten()
         state_slots = torch.tensor([r.state_slot for r in reqs], device=dev)
-        return tokens.flatten(), StepContext(cache, positions, torch.full_like(positions, cache.scratch_row),
-                                             tree=TreeStep(tree.depths, tree.ancestor_mask, kv_rows, computed, state_slots,
-                                                           parents=tree.parents, levels=self.levels))
+        step = TreeStep(depths=tree.depths, ancestor_mask=tree.ancestor_mask, kv_rows=kv_rows, kv_lens=computed,
+                        state_slots=state_slots, parents=tree.parents, levels=self.levels)
+        return tokens.flatten(), StepContext(cache=cache, positions=positions,
+                                             slot_mapping=torch.full_like(positions, cache.scratch_row), tree=step)
 
     def run_compiled(self, ids: torch.Tensor, ctx: StepContext, reqs: list[Request]) -> StepOutput | None:
         """Through the compiled graphs (CPU); None where there are none (or compiling failed)."""
@@ -267,7 +276,8 @@ class TreeVerify:
         step = StepOutput(ids, ctx, decoded=logits, decoded_hidden=hidden)
         if self.fast_greedy is not None and greedy_batch(reqs):
             r, t = tokens.shape
-            step.decided = self.fast_greedy(tokens, logits.view(r, t, -1), hidden.view(r, t, -1), ctx, self._room(reqs))
+            decided = self.fast_greedy(tokens, logits.view(r, t, -1), hidden.view(r, t, -1), ctx, self._room(reqs))
+            step.decided = None if decided is None else Settled(*decided)  # None: compiling failed, accept eagerly
         return step
 
     def _room(self, reqs: list[Request]) -> torch.Tensor:

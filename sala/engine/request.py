@@ -1,6 +1,7 @@
 """A request's state inside the engine, and what the engine hands back after each step."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class SpecStats:
             self.accepted_per_depth[d] += 1
 
     def copy(self) -> SpecStats:
-        return SpecStats(self.verify_steps, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_depth))
+        return dataclasses.replace(self, accepted_per_depth=list(self.accepted_per_depth))
 
 
 @dataclass
@@ -151,9 +152,11 @@ class Request:
     def completion(self) -> Completion:
         now = time.perf_counter()
         first = self.first_token_at or now
-        return Completion(self.request_id, self.prompt_ids, self.output_ids, self.detokenizer.text, self.logprobs,
-                          self.prompt_logprobs, self.finish_reason, first - self.arrival, now - self.arrival,
-                          self.cached_prompt_tokens, self.matched, self.spec)
+        return Completion(request_id=self.request_id, prompt_ids=self.prompt_ids, token_ids=self.output_ids,
+                          text=self.detokenizer.text, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
+                          finish_reason=self.finish_reason, time_to_first_token_s=first - self.arrival,
+                          latency_s=now - self.arrival, num_cached_tokens=self.cached_prompt_tokens, matched=self.matched,
+                          spec=self.spec)
 
     @property
     def cached_prompt_tokens(self) -> int:

@@ -61,7 +61,8 @@ class ModelRunner:
             positions += range(start, end)
             slots.append(cache.rows(r, start, end))
             kv_rows = cache.rows(r, 0, end) if start or cache.compressed else None
-            ctx.prefills.append(Span(row, end - start, start, r.state_slot, kv_rows, len(r.prompt_ids)))
+            ctx.prefills.append(Span(start=row, length=end - start, past=start, state_slot=r.state_slot, kv_rows=kv_rows,
+                                     prompt_len=len(r.prompt_ids)))
             self._prompt_logprob_rows(r, start, end, row, prompt_rows, out.prompt_targets)
             row += end - start
             if end == r.num_tokens:

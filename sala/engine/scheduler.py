@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from sala.engine.cache import CachePool
 from sala.engine.config import EngineConfig
@@ -50,11 +50,19 @@ class QueueFull(RuntimeError):
     """The waiting queue is at its limit; try again later."""
 
 
+class Chunk(NamedTuple):
+    """Prompt positions start .. end - 1 of a request, run in one step."""
+
+    request: Request
+    start: int
+    end: int
+
+
 @dataclass
 class Schedule:
     decoding: DecodeStep  # how this step decodes `decodes`
     decodes: list[Request] = field(default_factory=list)
-    prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, end)
+    prefills: list[Chunk] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +118,7 @@ class Scheduler:
                 end = self._chunk_end(r, min(budget, room))
                 if end > r.num_computed:
                     self.cache.grow(r, end)
-                    batch.prefills.append((r, r.num_computed, end))
+                    batch.prefills.append(Chunk(r, r.num_computed, end))
                     budget -= end - r.num_computed
         with self.lock:
             passed_over = deque()
@@ -126,7 +134,7 @@ class Scheduler:
                 self.cache.admit(r, hit)
                 self.cache.grow(r, end)
                 self.running.append(r)
-                batch.prefills.append((r, r.num_computed, end))
+                batch.prefills.append(Chunk(r, r.num_computed, end))
                 budget -= end - r.num_computed
             self.waiting.extendleft(reversed(passed_over))
         if not batch.num_tokens and self.running:

@@ -14,8 +14,7 @@ import torch
 
 from sala.checkpoint import load_model
 from sala.config import SALAConfig
-from sala.engine import AsyncEngine, CacheFull, Engine, EngineConfig, InvalidParam, QueueFull, SamplingParams
-from sala.engine.cache import CachePool
+from sala.engine import AsyncEngine, CacheFull, Engine, InvalidParam, QueueFull, SamplingParams
 from sala.engine.memory import cuda_cache_budget, plan_memory
 from sala.kv import KVPlan
 from sala.sampling import filtered_probs
@@ -445,29 +444,6 @@ def test_start_up_errors_are_one_line(model, tokenizer, tiny_sala_dir):
         with pytest.raises(ValueError, match="device=cuda but CUDA is not available") as e:
             Engine.from_pretrained(tiny_sala_dir, device="cuda")
         assert "\n" not in str(e.value)
-
-
-def test_cache_pool_layer_dtypes_and_pages(model):
-    config = model.config
-    first, second = config.sparse_layers[:2]
-    kv_plan = KVPlan.uniform(config, "fp32").with_units({first: "bf16"})
-    plan = plan_memory(config, 8 << 20, max_seqs=4, max_model_len=256, page_size=16, kv_plan=kv_plan)
-    pool = CachePool(EngineConfig(page_size=16, prefix_cache=False, device=torch.device("cpu"), model=config, kv_plan=kv_plan,
-                                  memory=plan))
-    assert pool.k[first].data.dtype == torch.bfloat16 and pool.k[second].data.dtype == torch.float32
-    assert pool.k[first].data.shape == (plan.num_pages + 1, 16, config.num_key_value_heads, config.head_dim)
-    assert pool.states[config.lightning_layers[0]].shape[0] == plan.max_seqs + 1  # + the scratch slot
-    assert pool.pages_for(16) == 1 and pool.pages_for(17) == 2
-    from sala.engine.request import Request
-
-    r = Request([1] * 20, SamplingParams(), None, None)
-    pool.admit(r)
-    assert pool.grow(r, 20) and len(r.pages) == 2
-    assert pool.rows(r, 14, 18).tolist() == [pool.row(r, p) for p in range(14, 18)]
-    assert pool.rows(r, 15, 17).tolist() == [r.pages[0] * 16 + 15, r.pages[1] * 16]
-    assert not pool.grow(r, 16 * (plan.num_pages + 1)) and len(r.pages) == 2  # all or nothing
-    pool.free(r)
-    assert len(pool.free_pages) == plan.num_pages
 
 
 GIB = 1 << 30

@@ -43,7 +43,7 @@ def test_prefix_map_forgets_what_a_replica_no_longer_holds():
     m.insert("abcdefgh", "r1", now=1.0)
     m.insert("abcdefgh", "r2", now=1.0)
     m.insert("abcdWXYZ", "r1", now=3.0)  # routed after the question below was asked
-    held = set(block_hashes("abcdefgh", 4, limit=7))  # r1 reports holding only "abcd"
+    held = set(block_hashes("abcdefg", 4))  # r1 reports holding only "abcd"
     assert m.forget_unheld("r1", held, asked_at=2.0) == 1  # "efgh"; "WXYZ" was sent since: kept
     assert m.match("abcdefgh", ["r1", "r2"]) == {"r1": 4, "r2": 8}
     assert m.match("abcdWXYZ", ["r1"]) == {"r1": 8}

@@ -1,0 +1,112 @@
+"""The decoding strategies (sala/engine/decoding.py, sala/engine/medusa_decoding.py) on their
+own: the decode rows plain decoding builds, against a naive reading of the requests' pages; what
+each strategy's step emits and how far it advances each request; Medusa's choice of step and
+what it refuses; and a verify step's acceptance and commit given logits that make a known path
+acceptable: the path's tokens and the bonus token come out, only the path's K/V rows and the
+requests' state slots are written, and the counts per depth are the path's."""
+import pytest
+import torch
+
+from sala.engine.decoding import PlainDecoding, StepOutput
+from sala.sampling import InvalidParam
+from tests.engine.parts import build, request
+
+
+def prefilled(p, reqs):
+    """One step over the prompts of `reqs`, their first tokens the argmax (and their drafts made)."""
+    for r in reqs:
+        p.scheduler.add(r)
+    batch = p.scheduler.schedule()
+    out = p.runner.run(batch)
+    for (r, _, end), logits in zip(batch.prefills, out.logits):
+        r.num_computed = end
+    batch.decoding.emit([], out, set())
+    for r, logits in zip(out.sampled, out.logits):
+        r.output_ids.append(int(logits.argmax()))
+
+
+def test_plain_decode_rows_are_each_requests_next_position():
+    p = build(max_seqs=4)
+    reqs = [request(5), request(20, first=40), request(33, first=60)]
+    prefilled(p, reqs)
+    ids, ctx = p.decoding.inputs(reqs)
+    assert ids.tolist() == [r.output_ids[-1] for r in reqs]
+    assert ctx.positions.tolist() == [r.num_computed for r in reqs] == [5, 20, 33]
+    assert ctx.slot_mapping.tolist() == [r.pages[n // 16] * 16 + n % 16 for r, n in zip(reqs, (5, 20, 33))]
+    assert ctx.context_lens.tolist() == [6, 21, 34] and ctx.state_slots.tolist() == [r.state_slot for r in reqs]
+    width = max(len(r.pages) for r in reqs)
+    assert ctx.block_tables.tolist() == [r.pages + [p.cache.scratch_page] * (width - len(r.pages)) for r in reqs]
+    assert p.decoding.for_step(reqs) is p.decoding and p.decoding.run_compiled(ids, ctx, reqs) is None  # compile=False
+
+
+def test_plain_emit_advances_each_request_and_samples_only_new_positions():
+    p = build(max_seqs=4)
+    fresh, recomputing = request(6, logprobs=2), request(6, first=20)
+    prefilled(p, [fresh, recomputing])
+    recomputing.output_ids += [9, 9]  # it generated two more before a preemption: decoding recomputes them
+    logits = torch.zeros(2, p.model.config.vocab_size)
+    logits[:, 42] = 3.0
+    gained = p.decoding.emit([fresh, recomputing], StepOutput(torch.zeros(2), None, decoded=logits), set())
+    assert [g.request for g in gained] == [fresh] and gained[0].tokens == [42]
+    assert gained[0].logprobs[0].token_id == 42 and len(gained[0].logprobs[0].top) == 2
+    assert (fresh.num_computed, recomputing.num_computed) == (7, 7) and recomputing.num_computed < recomputing.num_tokens
+
+
+def test_compiled_plain_decoding_has_one_graph():
+    assert len(build(compile=True).decoding.compiled_steps()) == 1 and not build().decoding.compiled_steps()
+    assert not build(compile=True, batch_invariant=True).decoding.compiled_steps()  # the evaluation mode never compiles
+
+
+def test_medusa_chooses_its_step_by_the_policy_and_refuses_what_it_cannot_honour():
+    p = build(medusa=True, medusa_max_batch=1, max_seqs=4)
+    medusa, tree = p.decoding, p.decoding.tree
+    one, two = [request(4)], [request(4), request(4)]
+    verify = medusa.for_step(one)
+    assert verify is medusa.verify and (verify.lookahead, verify.rows) == (tree.max_depth, tree.num_nodes) == (3, 7)
+    assert medusa.for_step(two) is medusa.plain_step and medusa.for_step([]) is medusa.plain_step
+    assert (medusa.plain_step.lookahead, medusa.plain_step.rows) == (0, 1) and isinstance(medusa.plain, PlainDecoding)
+    with pytest.raises(InvalidParam, match="logit_bias is not supported with Medusa"):
+        medusa.admit(request(4, logit_bias={3: 1.0}))
+    r = request(4)
+    medusa.admit(r)
+    assert r.spec is not None and r.spec.verify_steps == 0
+
+
+def test_verify_emits_the_acceptable_path_then_the_bonus_and_commits_only_it():
+    p = build(medusa=True, max_seqs=4)
+    medusa, tree, cache = p.decoding, p.decoding.tree, p.cache
+    reqs = [request(10), request(21, first=50)]
+    for r in reqs:
+        medusa.admit(r)
+    prefilled(p, reqs)
+    assert all(r.drafts is not None for r in reqs)
+    batch = p.scheduler.schedule()
+    assert batch.decoding is medusa.verify and batch.decodes == reqs and not batch.prefills
+    out = p.runner.run(batch)
+    t, vocab = tree.num_nodes, p.model.config.vocab_size
+    tokens = out.ids.view(2, t)
+    # Request 0 keeps the deepest path (root, then one node a depth); request 1 nothing past its root.
+    path = max((row[row >= 0] for row in tree.retrieve_indices), key=len).tolist()
+    logits = torch.zeros(2, t, vocab)
+    bonus = [min(set(range(vocab)) - set(tokens[i].tolist())) for i in range(2)]  # no node's token: no child is acceptable
+    for i in range(2):
+        logits[i, :, bonus[i]] = 1.0
+    for node in path[1:]:
+        logits[0, tree.parents[node], tokens[0, node]] = 5.0
+    out.decoded = logits.view(2 * t, vocab)
+    before = {i: pages.data.clone() for i, pages in cache.k.items()}
+    states = {i: s.clone() for i, s in cache.states.items()}
+    computed = [r.num_computed for r in reqs]
+    gained = medusa.verify.emit(reqs, out, set())
+    assert gained[0].tokens == tokens[0, path[1:]].tolist() + [bonus[0]] and gained[1].tokens == [bonus[1]]
+    assert [r.num_computed - c for r, c in zip(reqs, computed)] == [len(path), 1]
+    written = {cache.row(r, q) for r, c in zip(reqs, computed) for q in range(c, r.num_computed)}
+    for i, k in cache.k.items():
+        changed = {row for row in (k.data != before[i]).flatten(0, 1).flatten(1).any(-1).nonzero()[:, 0].tolist()
+                   if row < cache.scratch_row}
+        assert changed <= written and changed, (changed, written)
+    for i, s in cache.states.items():
+        assert (s != states[i])[:-1].flatten(1).any(-1).nonzero()[:, 0].tolist() == sorted(r.state_slot for r in reqs)
+    assert reqs[0].spec.accepted_per_depth == [1] * (len(path) - 1) and reqs[1].spec.accepted_tokens == 0
+    assert medusa.totals.verify_steps == 2 and medusa.totals.accepted_tokens == len(path) - 1
+    assert medusa.totals.draft_tokens == 2 * (t - 1)
