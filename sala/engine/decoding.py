@@ -21,7 +21,7 @@ trees and a plain step. The engine's step names neither.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -30,10 +30,8 @@ from sala.engine.config import EngineConfig
 from sala.engine.context import StepContext
 from sala.engine.graphs import CompiledDecode, CompiledStep, CudaGraphDecode
 from sala.engine.request import Request
+from sala.medusa.accept import Settled
 from sala.sampling import TokenLogprob, sample, token_logprobs
-
-if TYPE_CHECKING:
-    from sala.engine.medusa_decoding import Settled
 
 
 @dataclass

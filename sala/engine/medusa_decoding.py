@@ -48,7 +48,6 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -60,19 +59,12 @@ from sala.engine.graphs import CompiledStep, rows_dynamic
 from sala.engine.request import Request, SpecStats
 from sala.engine.stats import SpeculationStats
 from sala.medusa import accept as medusa_accept
+from sala.medusa.accept import Settled
 from sala.medusa.tree import expected_accept_length
 from sala.sampling import InvalidParam, SamplingParams, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 MIN_VERIFY_STEPS = 32
-
-
-class Settled(NamedTuple):
-    """A verify step's outcome per request: [R, 2 + P] its accepted length, its path's tokens
-    root first, its bonus token; [R, heads, topk] the drafts at its last accepted node."""
-
-    emitted: torch.Tensor
-    drafts: torch.Tensor
 
 
 def greedy_batch(reqs: list[Request]) -> bool:

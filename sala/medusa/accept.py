@@ -14,6 +14,7 @@ accepted node's logits, becomes the next step's root.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,15 @@ class Accepted:
 
     def last_nodes(self) -> torch.Tensor:
         return self.paths.gather(1, (self.lengths - 1)[:, None])[:, 0]
+
+
+class Settled(NamedTuple):
+    """A verify step's outcome per request once its path is committed: [R, 2 + P] its accepted
+    length, its path's tokens root first, its bonus token; [R, heads, topk] the heads' drafts at
+    its last accepted node."""
+
+    emitted: torch.Tensor
+    drafts: torch.Tensor
 
 
 def node_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams],
