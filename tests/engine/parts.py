@@ -51,6 +51,21 @@ def request(n_prompt: int, max_tokens: int = 8, first: int = 1, **params) -> Req
                    None, lambda out: None)
 
 
+def prefill(p: Parts, reqs: list[Request]) -> None:
+    """One step over the prompts of `reqs` (all of them within its budget): each request's first
+    token is its argmax, and with Medusa its drafts are made, as the engine's postprocess would."""
+    for r in reqs:
+        p.scheduler.add(r)
+    batch = p.scheduler.schedule()
+    out = p.runner.run(batch)
+    assert [c.end for c in batch.prefills] == [len(r.prompt_ids) for r in reqs]
+    for r, _, end in batch.prefills:
+        r.num_computed = end
+    batch.decoding.emit([], out, set())
+    for r, logits in zip(out.sampled, out.logits):
+        r.output_ids.append(int(logits.argmax()))
+
+
 def random_heads(model, seed: int = 0):
     """Four heads' top-4 drafts in a six-node tree (paths up to depth 3)."""
     from sala.medusa.heads import MedusaConfig, MedusaHeads

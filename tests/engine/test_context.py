@@ -9,20 +9,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from sala.engine.context import Span, StepContext, TreeStep, decode_padding, padding_values
-from tests.engine.parts import build, request
+from tests.engine.parts import build, prefill, request
 
 
 def decoding_parts(n: int = 3):
     """Parts with n requests past their prompts (of different lengths), ready to decode."""
     p = build(max_seqs=4)
     reqs = [request(5 + 7 * i, first=1 + 11 * i) for i in range(n)]
-    for r in reqs:
-        p.scheduler.add(r)
-    batch = p.scheduler.schedule()
-    out = p.runner.run(batch)
-    for (r, _, end), logits in zip(batch.prefills, out.logits):
-        r.num_computed = end
-        r.output_ids.append(int(logits.argmax()))
+    prefill(p, reqs)
     return p, reqs
 
 

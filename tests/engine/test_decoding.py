@@ -9,26 +9,13 @@ import torch
 
 from sala.engine.decoding import PlainDecoding, StepOutput
 from sala.sampling import InvalidParam
-from tests.engine.parts import build, request
-
-
-def prefilled(p, reqs):
-    """One step over the prompts of `reqs`, their first tokens the argmax (and their drafts made)."""
-    for r in reqs:
-        p.scheduler.add(r)
-    batch = p.scheduler.schedule()
-    out = p.runner.run(batch)
-    for (r, _, end), logits in zip(batch.prefills, out.logits):
-        r.num_computed = end
-    batch.decoding.emit([], out, set())
-    for r, logits in zip(out.sampled, out.logits):
-        r.output_ids.append(int(logits.argmax()))
+from tests.engine.parts import build, prefill, request
 
 
 def test_plain_decode_rows_are_each_requests_next_position():
     p = build(max_seqs=4)
     reqs = [request(5), request(20, first=40), request(33, first=60)]
-    prefilled(p, reqs)
+    prefill(p, reqs)
     ids, ctx = p.decoding.inputs(reqs)
     assert ids.tolist() == [r.output_ids[-1] for r in reqs]
     assert ctx.positions.tolist() == [r.num_computed for r in reqs] == [5, 20, 33]
@@ -42,7 +29,7 @@ def test_plain_decode_rows_are_each_requests_next_position():
 def test_plain_emit_advances_each_request_and_samples_only_new_positions():
     p = build(max_seqs=4)
     fresh, recomputing = request(6, logprobs=2), request(6, first=20)
-    prefilled(p, [fresh, recomputing])
+    prefill(p, [fresh, recomputing])
     recomputing.output_ids += [9, 9]  # it generated two more before a preemption: decoding recomputes them
     logits = torch.zeros(2, p.model.config.vocab_size)
     logits[:, 42] = 3.0
@@ -78,7 +65,7 @@ def test_verify_emits_the_acceptable_path_then_the_bonus_and_commits_only_it():
     reqs = [request(10), request(21, first=50)]
     for r in reqs:
         medusa.admit(r)
-    prefilled(p, reqs)
+    prefill(p, reqs)
     assert all(r.drafts is not None for r in reqs)
     batch = p.scheduler.schedule()
     assert batch.decoding is medusa.verify and batch.decodes == reqs and not batch.prefills
