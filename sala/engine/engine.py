@@ -74,18 +74,14 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, medusa=None, **settings):
         settings = EngineConfig(**settings)
-        _check_medusa(settings, medusa)
         device = next(model.parameters()).device
         require_supported(device)
         _prepare(model, device)
         self.config = config = settings.resolve(model, medusa.tree.num_nodes if medusa is not None else None)
+        _check_medusa(config, medusa)
         log.info("%s; %s", config.memory.describe(), config.kv_plan.describe())
         self.model, self.tokenizer = model, tokenizer
         self.cache = CachePool(config)
-        if medusa is not None and self.cache.compressed:
-            raise ValueError(f"Medusa tree verify does not run InfLLM-v2's sparse path yet: with Medusa, max_model_len "
-                             f"({config.max_model_len}) must stay at or below sparse_config.dense_len "
-                             f"({model.config.sparse_config['dense_len']})")
         self.runner = ModelRunner(config, model, self.cache)
         self.decoding = PlainDecoding(config, self.runner) if medusa is None else MedusaDecoding(config, medusa, self.runner)
         self.scheduler = Scheduler(config, self.cache, self.decoding)
@@ -328,13 +324,18 @@ class Engine:
         return [r.completion() for r in reqs]
 
 
-def _check_medusa(settings: EngineConfig, medusa) -> None:
+def _check_medusa(config: EngineConfig, medusa) -> None:
     """The settings that need Medusa heads, or cannot have them."""
-    if medusa is not None and settings.batch_invariant:
+    if medusa is None:
+        if config.medusa_max_batch is not None:
+            raise ValueError(f"medusa_max_batch={config.medusa_max_batch!r} was given but Medusa is off (no heads)")
+    elif config.batch_invariant:
         raise ValueError("Medusa tree verify has no batch-invariant mode: pass medusa=None (or medusa=False to "
                          "from_pretrained) for the evaluation mode")
-    if medusa is None and settings.medusa_max_batch is not None:
-        raise ValueError(f"medusa_max_batch={settings.medusa_max_batch!r} was given but Medusa is off (no heads)")
+    elif config.memory.compressed_bytes_per_page:
+        raise ValueError(f"Medusa tree verify does not run InfLLM-v2's sparse path yet: with Medusa, max_model_len "
+                         f"({config.max_model_len}) must stay at or below sparse_config.dense_len "
+                         f"({config.model.sparse_config['dense_len']})")
 
 
 def _prepare(model, device: torch.device) -> None:
