@@ -107,11 +107,13 @@ class CachePool:
     def grow(self, req: Request, n_tokens: int) -> bool:
         """Pages for positions 0 .. n_tokens - 1; False (and nothing taken) if too few are free."""
         need = self.pages_for(n_tokens) - len(req.pages)
+        if need <= 0:  # most calls: a decode step within its last page
+            return True
         if need > self.num_free_pages:
             return False
         if need > len(self.free_pages):
             self.free_pages += self.prefix.evict(need - len(self.free_pages))
-        req.pages += [self.free_pages.pop() for _ in range(max(need, 0))]
+        req.pages += [self.free_pages.pop() for _ in range(need)]
         return True
 
     def take_page(self) -> int | None:

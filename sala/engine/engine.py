@@ -200,8 +200,10 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    on_output: Callable[[RequestOutput], None] = lambda out: None, request_id: str | None = None) -> Request:
-        """Queue a request; raises InvalidParam for bad input and QueueFull when the queue is at its limit."""
+                    on_output: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> Request:
+        """Queue a request, whose outputs go to `on_output` after each step that advances it (None:
+        none are made; `Engine.generate` reads the finished requests). Raises InvalidParam for bad
+        input and QueueFull when the queue is at its limit."""
         params.validate(self.model.config.vocab_size)
         ids = self.encode(prompt)
         if not ids:
@@ -296,6 +298,8 @@ class Engine:
             r.finish_reason = reason
             self.counts.finished[reason] += 1
             self.scheduler.finish(r)
+        if r.on_output is None:
+            return
         first = len(r.output_ids) == 1 and bool(tokens)
         r.on_output(RequestOutput(request_id=r.request_id, token_ids=tokens, text=r.detokenizer.delta(reason is not None),
                                   logprobs=[lp] if lp else [], prompt_logprobs=r.prompt_logprobs if first else [],

@@ -72,14 +72,14 @@ class CompiledStep:
         if self.failed:
             return None
         leaves, self.spec = pytree.tree_flatten(args)
-        for t, dim in dynamic:  # else a width equal to some static size (kv heads: 2) is specialised on
-            torch._dynamo.mark_dynamic(t, dim)
         if self.compiled:
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     return self.fn(*leaves)
             except RuntimeError:  # a graph that has to be recompiled: raised before anything ran
                 pass
+        for t, dim in dynamic:  # what compiling reads: else a width equal to some static size (kv heads: 2) is specialised on
+            torch._dynamo.mark_dynamic(t, dim)
         t0 = time.perf_counter()
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # not a silent eager run

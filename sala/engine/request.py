@@ -90,7 +90,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    on_output: Callable[[RequestOutput], None]
+    on_output: Callable[[RequestOutput], None] | None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V and state are in the cache

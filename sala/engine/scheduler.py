@@ -102,11 +102,11 @@ class Scheduler:
         return gone
 
     def schedule(self) -> Schedule:
-        step = self.decoding.for_step([r for r in self.running if not r.prefilling])
+        decoding = [r for r in self.running if not r.prefilling]
+        step = self.decoding.for_step(decoding)
         batch = Schedule(step)
-        for r in list(self.running):
-            if r in self.running and not r.prefilling and self._grow_or_preempt(r, min(r.num_computed + 1 + step.lookahead,
-                                                                                      r.capacity)):
+        for r in decoding:  # in admission order; a request preempted for an earlier one's pages is gone from running
+            if r in self.running and self._grow_or_preempt(r, min(r.num_computed + 1 + step.lookahead, r.capacity)):
                 batch.decodes.append(r)
         if not batch.decodes:
             batch.decoding = self.decoding.for_step([])
