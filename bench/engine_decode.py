@@ -1,6 +1,6 @@
 """Decode throughput: the engine vs transformers' generate() on the same tiny-sala weights.
 
-Three measurements, all in this run:
+Four measurements, all in this run:
 
 1. Greedy decode at batch 1 and 8: prompts of equal length (generate() needs no padding), a
    fixed number of new tokens for both (min_new_tokens / ignore_eos); time covers prefill and

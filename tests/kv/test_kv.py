@@ -258,7 +258,7 @@ def test_from_pretrained_picks_up_the_checkpoints_plan(tiny, tiny_sala_dir, tmp_
     assert engine.cache.k[0].data.dtype == torch.float8_e4m3fn and engine.cache.k[4].data.dtype == torch.uint8
     assert engine.cache.states[1].dtype == torch.bfloat16
     other = Engine.from_pretrained(ckpt, compile=False, kv_plan=KVPlan.uniform(model.config, "fp8").to_json())
-    assert set(other.kv_plan.kv.values()) == {"fp8"}
+    assert set(other.config.kv_plan.kv.values()) == {"fp8"}
     (ckpt / "kv_plan.json").write_text(json.dumps(plan_dict(model.config, {1: {"kind": "sparse", "kv": "fp8"}})))
     write_manifest(ckpt)
     with pytest.raises(KVPlanError, match="layer 1 is a lightning layer"):
