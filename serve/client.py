@@ -39,9 +39,8 @@ class EngineClient:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids, refused as the engine refuses a prompt (InvalidParam("prompt"): text no
-        tokenizer takes, such as a lone surrogate); without special tokens, the tokenizer's again."""
-        ids = self.engine.encode(text)
-        return ids if add_special_tokens else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        tokenizer takes, such as a lone surrogate)."""
+        return self.engine.encode(text, add_special_tokens)
 
     def max_tokens(self, requested: int | None, default: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         if requested is None:

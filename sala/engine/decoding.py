@@ -95,14 +95,13 @@ class Decoding(Protocol):
 
 class PlainDecoding:
     """One token per request per step: the decode row feeds its last token, the next is sampled.
-    Decode-only steps run compiled on CPU, from CUDA graphs on CUDA (sala/engine/graphs.py).
-    `drafts`: the eager forward also returns the heads' input (a plain step of a Medusa engine)."""
+    Decode-only steps run compiled on CPU, from CUDA graphs on CUDA (sala/engine/graphs.py)."""
 
-    lookahead, rows = 0, 1
+    lookahead, rows, drafts = 0, 1, False
     totals = None
 
-    def __init__(self, config: EngineConfig, runner, drafts: bool = False):
-        self.config, self.cache, self.drafts = config, runner.cache, drafts
+    def __init__(self, config: EngineConfig, runner):
+        self.config, self.cache = config, runner.cache
         self.fast_decode = None
         if config.compiled:
             cuda = config.device.type == "cuda"

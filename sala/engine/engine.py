@@ -188,13 +188,15 @@ class Engine:
         finally:
             self.counts, self.scheduler.num_preemptions, self.decoding.totals = saved
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (text through the tokenizer, with its special tokens unless told
+        otherwise); InvalidParam("prompt") for text no tokenizer takes or ids outside the vocabulary."""
         if isinstance(prompt, str):
             try:
                 prompt.encode()
             except UnicodeEncodeError as e:  # a lone surrogate (JSON allows "\ud800"): no tokenizer takes it
                 raise InvalidParam("prompt", f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
-            return self.tokenizer(prompt)["input_ids"]
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in prompt):
             raise InvalidParam("prompt", f"token ids must be integers in [0, {self.model.config.vocab_size})")
         return list(prompt)

@@ -89,7 +89,7 @@ class MedusaDecoding:
         accuracy = heads.config.rank_accuracy
         self.prior_accept_length = expected_accept_length(torch.tensor(accuracy), self.tree) if accuracy else None
         self.policy = SpeculationPolicy(config.medusa_max_batch)
-        self.plain = PlainDecoding(config, runner, drafts=True)
+        self.plain = PlainDecoding(config, runner)
         self.plain_step = PlainStep(self)
         self.verify = TreeVerify(self)
 
