@@ -223,8 +223,9 @@ class GenerateStage:
     """One engine per actor (the model loads once); each call generates one batch of rows.
     Output columns have fixed Arrow types, so batches that are all errors still share a schema."""
 
-    def __init__(self, model_path: str, column: str, chat: bool, sampling: dict,
-                 top_logprobs: int | None, num_threads: int, num_gpus: float, batch_invariant: bool, engine_kwargs: dict):
+    def __init__(self, model_path: str, column: str, chat: bool, sampling: dict, top_logprobs: int | None,
+                 num_threads: int, num_gpus: float, batch_invariant: bool, engine_kwargs: dict,
+                 mlflow_run: tuple[str, str] | None = None):
         import torch
 
         from sala.checkpoint import gpu_device
@@ -234,6 +235,8 @@ class GenerateStage:
         self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), batch_invariant=batch_invariant,
                                              **engine_kwargs)
         self.engine.warmup()
+        if mlflow_run and (spec := self.engine.stats().speculation) and spec.trees:
+            log_tree_choice(self.engine, *mlflow_run)
         self.params = SamplingParams(**sampling, logprobs=top_logprobs)
         self.column, self.chat, self.top_logprobs = column, chat, top_logprobs
 
@@ -285,6 +288,26 @@ class GenerateStage:
                 yield from self._generate({i: prompts[i]}, errors)
             return
         yield {i: r.completion() for i, r in requests.items()}
+
+
+def log_tree_choice(engine, tracking_uri: str, run_id: str) -> None:
+    """This actor's Medusa choice (tree per batch size, its expected accept length and speedup, the
+    step times warmup measured) into the job's MLflow run, one JSON per actor. A failure to
+    report is a warning in the actor's log, not a failed job."""
+    import dataclasses
+    import os
+    import socket
+
+    from mlflow import MlflowClient
+
+    medusa = engine.decoding
+    choice = {"describe": medusa.describe(), "trees": [dataclasses.asdict(t) for t in engine.stats().speculation.trees],
+              "step_ms": {str(n): {f"{'greedy' if g else 'sampled'}_{k}": ms for (g, k), ms in row.items()}
+                          for n, row in medusa.choice.step_ms.items()}}
+    try:
+        MlflowClient(tracking_uri).log_dict(run_id, choice, f"medusa_trees/{socket.gethostname()}-{os.getpid()}.json")
+    except Exception as e:  # noqa: BLE001 - whatever the tracking store raises
+        print(f"warning: could not log the Medusa tree choice to MLflow run {run_id}: {e}", file=sys.stderr)
 
 
 def outputs(batch, done: dict, errors: list, top_logprobs: int | None):
@@ -376,6 +399,8 @@ def logit_bias_entry(text: str) -> tuple[int, float]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from sala.engine.config import add_medusa_arguments
+
     ap = argparse.ArgumentParser(prog="pipelines/generate.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--dataset", required=True, help=".jsonl, .parquet (file or directory), a datasets.save_to_disk "
@@ -414,11 +439,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "starts seconds sooner and decodes slower (for short jobs)")
     ap.add_argument("--batch-size", type=int, default=64, help="rows per map_batches call")
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget per step")
-    ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
-                    help="decode with the checkpoint's medusa/ heads (default: when it has them)")
-    ap.add_argument("--medusa-max-batch", metavar="N|auto",
-                    help="verify draft trees only while at most N requests decode, decoding plainly above that; "
-                         "auto: chosen from step times measured at start-up (default: always verify)")
+    add_medusa_arguments(ap)
     ap.add_argument("--experiment", default="generate", help="MLflow experiment")
     args = ap.parse_args(argv)
     for name in ("max_tokens", "replicas", "batch_size"):
@@ -440,7 +461,7 @@ def main(argv=None) -> int:
     from registry.models import ModelSpecError, resolve_model_path
     from registry.tracking import TrackingError, setup_mlflow
     from sala.checkpoint import DeviceUnavailable, gpu_device, read_config
-    from sala.engine import InvalidParam, SamplingParams, SpeculationSettingError, parse_max_batch
+    from sala.engine import InvalidParam, SamplingParams, SpeculationSettingError, parse_max_batch, parse_nodes
     from sala.eval.calibration import DatasetError, dataset_kind
     from sala.kv import KVPlanError, load_plan
     from sala.medusa.heads import has_medusa
@@ -473,11 +494,12 @@ def main(argv=None) -> int:
         model_path = resolve_model_path(args.model or str(ensure_tiny_sala()))
         # Checked before Ray starts; the actors get the plan itself (a path may not exist on their node).
         kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, read_config(model_path)).to_json()
-        if args.medusa_max_batch is not None:
-            args.medusa_max_batch = parse_max_batch(args.medusa_max_batch)
-            if args.medusa is False or args.batch_invariant or not has_medusa(model_path):
-                return fail(f"--medusa-max-batch: {model_path} is decoded without Medusa (--no-medusa, --batch-invariant, "
-                            "or no medusa/ heads)")
+        for flag, parse in (("medusa_nodes", parse_nodes), ("medusa_max_batch", parse_max_batch)):
+            if getattr(args, flag) is not None:
+                setattr(args, flag, parse(getattr(args, flag)))
+                if args.medusa is False or args.batch_invariant or not has_medusa(model_path):
+                    return fail(f"--{flag.replace('_', '-')}: {model_path} is decoded without Medusa (--no-medusa, "
+                                "--batch-invariant, or no medusa/ heads)")
         setup_mlflow(args.experiment)
         init_ray()
     except InvalidParam as e:
@@ -487,7 +509,7 @@ def main(argv=None) -> int:
     except KVPlanError as e:
         return fail(f"--kv-plan: {e}")
     except SpeculationSettingError as e:
-        return fail(f"--medusa-max-batch: {e}")
+        return fail(str(e))
     except (DatasetError, ModelSpecError, TrackingError, RayUnavailable) as e:
         return fail(str(e))
     return run(args, dataset, kind, column, schema, rows, model_path, output, sampling, kv_plan)
@@ -502,14 +524,15 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
     params = {"model": args.model or "tiny-sala", "model_path": str(model_path), "dataset": dataset, "split": args.split,
               "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
               "batch_invariant": args.batch_invariant, "medusa": args.medusa,
-              "medusa_max_batch": args.medusa_max_batch, "batch_size": args.batch_size,
+              "medusa_nodes": args.medusa_nodes, "medusa_max_batch": args.medusa_max_batch, "batch_size": args.batch_size,
               "output": str(output), "kv_plan": args.kv_plan, **sampling}
     stage = dict(model_path=str(model_path), column=column, chat=bool(args.messages_column), sampling=sampling,
                  top_logprobs=args.logprobs, num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
                  batch_invariant=args.batch_invariant,
                  engine_kwargs={"max_batch_tokens": args.max_batch_tokens, "max_waiting": max(256, args.batch_size),
                                 "compile": args.compile,
-                                "medusa": args.medusa, "medusa_max_batch": args.medusa_max_batch, "kv_plan": kv_plan})
+                                "medusa": args.medusa, "medusa_nodes": args.medusa_nodes,
+                                "medusa_max_batch": args.medusa_max_batch, "kv_plan": kv_plan})
     size = args.batch_size
     writer = PartWriter(output.with_name(f".{output.name}.partial"),
                         fingerprint({**params, **stage, "input": input_identity(dataset)}), -(-rows // size), size)
@@ -525,7 +548,7 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
         start = time.perf_counter()
         bar = tqdm(total=rows, initial=skipped, desc="rows written", unit="row", file=sys.stderr)
         chunks = input_chunks(dataset, kind, column, args.split, schema, size, skip=frozenset(writer.written))
-        for block in engine_stage(chunks, stage, args):
+        for block in engine_stage(chunks, stage | {"mlflow_run": (mlflow.get_tracking_uri(), mlflow_run.info.run_id)}, args):
             bar.update(sum(rows_in_chunk(s) for s in writer.add(block, rows_in_chunk)))
         bar.close()
         if writer.unwritten():  # every row is generated or an error row by now

@@ -12,8 +12,10 @@ draws training windows so their (task type, length) mix matches that of the wind
 `--val-data` (default: the model's held-out text, else a tenth of the training rows held out)
 that accept length is measured on; `uniform` draws all alike.
 
-The tree: `--tree-nodes N` grows one greedily from the heads' per-rank accuracy measured on the
-validation windows (Medusa's tree search), `--tree mc_sim_7b_63` keeps Medusa's default.
+The tree: on the validation windows, how often each path of draft ranks is right (what a greedy
+verify would keep) is measured and stored with the heads; `--tree-nodes N` keeps the N paths
+most often right (the largest tree an engine may verify: by default it picks, per batch size,
+the subtree that pays best on the machine that serves), `--tree mc_sim_7b_63` Medusa's default.
 
 MLflow: parameters, per-head loss / top-1 / top-5 while training and on validation, a PNG plot
 of per-head top-1 and top-5, accept length on validation prompts, and the written checkpoint's
@@ -59,7 +61,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
     ap.add_argument("--shared-lm-head", action="store_true", help="heads reuse lm_head instead of their own projection")
     ap.add_argument("--topk", type=int, default=10, help="ranks per head the tree may use")
-    ap.add_argument("--tree-nodes", type=int, default=63, help="grow a tree of this many nodes from measured accuracy")
+    ap.add_argument("--tree-nodes", type=int, default=63, help="the stored tree: this many paths, the most often right")
     ap.add_argument("--tree", choices=["mc_sim_7b_63"], help="use this fixed tree instead")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -174,7 +176,7 @@ def run(args, model_path: Path, output: Path) -> int:
     from sala.eval.calibration import Row, guess_task
     from sala.medusa import train
     from sala.medusa.heads import MedusaConfig, MedusaHeads
-    from sala.medusa.tree import MC_SIM_7B_63, greedy_tree
+    from sala.medusa.tree import MC_SIM_7B_63, expected_accept_length, top_paths
 
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -233,12 +235,15 @@ def run(args, model_path: Path, output: Path) -> int:
         history = train.train_heads(heads, model, encoded, train.RowSampler(len(seqs), weights, cfg.batch_size, cfg.seed),
                                     cfg, state_dir, on_step)
         val = train.evaluate(heads, model, val_encoded)
-        tree = [list(p) for p in MC_SIM_7B_63] if args.tree else greedy_tree(torch.tensor(val["rank_accuracy"]), args.tree_nodes)
-        heads.config.tree, heads.config.rank_accuracy = tree, val["rank_accuracy"]
+        heads.config.path_acceptance = val["path_acceptance"]
+        acceptance = heads.config.acceptance
+        tree = [list(p) for p in MC_SIM_7B_63] if args.tree else top_paths(acceptance, args.tree_nodes) or [[0]]
+        heads.config.tree = tree
         heads.tree = heads.config.build_tree()
-        engine = Engine(load_model(model_path), tok, medusa=heads, compile=False)
+        engine = Engine(load_model(model_path), tok, medusa=heads, medusa_nodes=len(tree), compile=False)
         accept = train.accept_length(engine, val_prompts[:32], 48)
-        metrics = {"accept_length": accept, "tree_nodes": len(tree), "seconds": time.perf_counter() - start,
+        metrics = {"accept_length": accept, "expected_accept_length": expected_accept_length(acceptance, tree),
+                   "tree_nodes": len(tree), "seconds": time.perf_counter() - start,
                    "effective_train_windows": effective,
                    **{f"val_loss_{k}": v for k, v in enumerate(val["loss"])},
                    **{f"val_top1_{k}": v for k, v in enumerate(val["top1"])},

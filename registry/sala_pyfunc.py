@@ -20,6 +20,7 @@ class SALAPyfunc(PythonModel):
         # Eager decode steps: compiling them costs 15-60 s on CPU, which a pyfunc predicting a
         # batch now and then does not win back (serve.app compiles: it serves for hours).
         self.engine = Engine.from_pretrained(context.artifacts["checkpoint"], compile=False)
+        self.engine.warmup()  # with Medusa heads: times the steps its draft trees are chosen by
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> list[str]:
         from mlflow.exceptions import MlflowException

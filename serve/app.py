@@ -25,7 +25,8 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import RayServeException
 
 from sala.checkpoint import DeviceUnavailable, gpu_device
-from sala.engine import SpeculationSettingError, parse_max_batch
+from sala.engine import SpeculationSettingError, parse_max_batch, parse_nodes
+from sala.engine.config import add_medusa_arguments
 from sala.kv import KVPlanError
 from serve.build import MedusaOff, build_app
 
@@ -59,11 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "those that share a prompt prefix to the replica caching it")
     ap.add_argument("--max-tokens-limit", type=int, default=1024,
                     help="largest max_tokens a request may ask for (default: %(default)s)")
-    ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
-                    help="decode with the checkpoint's medusa/ heads (default: when it has them)")
-    ap.add_argument("--medusa-max-batch", metavar="N|auto",
-                    help="verify draft trees only while at most N requests decode, decoding plainly above that; "
-                         "auto: chosen from step times measured at start-up (default: always verify)")
+    add_medusa_arguments(ap)
     ap.add_argument("--kv-plan", help="kv_plan.json for the cache: each layer's K/V format or state dtype "
                                       "(default: the checkpoint's own, if it has one)")
     args = ap.parse_args(argv)
@@ -73,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--num-replicas must be >= 1")
     try:
         args.medusa_max_batch = parse_max_batch(args.medusa_max_batch)
+        if args.medusa_nodes is not None:
+            args.medusa_nodes = parse_nodes(args.medusa_nodes)
     except SpeculationSettingError as e:
         ap.error(str(e))
     return args
@@ -102,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                         max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
                         compile=args.compile, num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
                         **({} if args.medusa is None else {"medusa": args.medusa}),
-                        **({} if args.medusa_max_batch is None else {"medusa_max_batch": args.medusa_max_batch}))
+                        **{k: v for k in ("medusa_nodes", "medusa_max_batch") if (v := getattr(args, k)) is not None})
     except KVPlanError as e:
         print(f"error: --kv-plan: {e}", file=sys.stderr)
         return 2
     except MedusaOff as e:
-        print(f"error: --medusa-max-batch: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     # What serve.start would do, keeping the dashboard's address; without RAY_ADDRESS a Ray of its
     # own, never one that another program started on this machine (ray.init's own default).

@@ -8,7 +8,7 @@ from ray.serve.config import RequestRouterConfig
 
 from registry.models import resolve_model_path
 from sala.checkpoint import read_config
-from sala.engine import parse_max_batch
+from sala.engine import parse_max_batch, parse_nodes
 from sala.kv import load_plan
 from sala.medusa.heads import has_medusa
 from serve.router import PrefixAffinityRouter, PrefixRoutingIngress, RoutingOptions
@@ -33,8 +33,8 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     sharing a prompt prefix go to the replica caching it (serve/router.py; prefix_routing_options are
     PrefixAffinityRouter's: block_chars, max_blocks, imbalanced_threshold, min_match_rate,
     refresh_interval_s); without
-    prefix_routing Serve's power of two choices spreads them. medusa_max_batch (an engine setting)
-    is checked here too: MedusaOff when the model is served without Medusa."""
+    prefix_routing Serve's power of two choices spreads them. medusa_nodes and medusa_max_batch
+    (engine settings) are checked here too: MedusaOff when the model is served without Medusa."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
@@ -47,11 +47,14 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
         model = str(ensure_tiny_sala())
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
-    if engine_kwargs.get("medusa_max_batch") is not None:  # checked here: a replica failing to start says it less plainly
-        engine_kwargs["medusa_max_batch"] = parse_max_batch(engine_kwargs["medusa_max_batch"])
+    for name, parse in (("medusa_nodes", parse_nodes), ("medusa_max_batch", parse_max_batch)):
+        if engine_kwargs.get(name) is None:  # checked here: a replica failing to start says it less plainly
+            engine_kwargs.pop(name, None)
+            continue
+        engine_kwargs[name] = parse(engine_kwargs[name])
         if batch_invariant or engine_kwargs.get("medusa") is False or not has_medusa(resolve_model_path(model)):
-            raise MedusaOff(f"medusa_max_batch={engine_kwargs['medusa_max_batch']!r} but {model} is served without "
-                            "Medusa (medusa: false, batch_invariant, or no medusa/ heads)")
+            raise MedusaOff(f"{name}={engine_kwargs[name]!r} but {model} is served without Medusa (medusa: false, "
+                            "batch_invariant, or no medusa/ heads)")
     if kv_plan is not None:  # the replica gets the checked plan itself: a path may not exist on its node
         engine_kwargs["kv_plan"] = load_plan(kv_plan, read_config(resolve_model_path(model))).to_json()
     api_key = os.environ.get("SALA_API_KEY") if api_key is None else api_key

@@ -89,5 +89,18 @@ class EngineSeries:
                                       value=spec.accepted_tokens)
             yield GaugeMetricFamily("sala_spec_accept_length", "Tokens per verify step, bonus included",
                                     value=spec.accept_length)
-            yield GaugeMetricFamily("sala_spec_max_batch", "Largest decode batch that verifies draft trees now "
-                                    "(medusa_max_batch; above it steps decode plainly)", value=spec.max_batch)
+            # The tree chosen now at each batch size warmup timed (medusa_nodes='auto'), and why.
+            labels = ["batch", "sampling"]
+            nodes = GaugeMetricFamily("sala_spec_tree_nodes", "Draft tree nodes a verify step checks at this batch "
+                                      "size now (0: plain decoding)", labels=labels)
+            expected = GaugeMetricFamily("sala_spec_expected_accept_length", "Tokens the chosen tree's verify step is "
+                                         "expected to yield now (measured acceptance, corrected by recent steps)",
+                                         labels=labels)
+            speedup = GaugeMetricFamily("sala_spec_expected_speedup", "Expected tokens/s of the chosen tree over plain "
+                                        "decoding at this batch size (step costs measured at start-up)", labels=labels)
+            for t in spec.trees:
+                key = [str(t.batch), "greedy" if t.greedy else "sampled"]
+                nodes.add_metric(key, t.nodes)
+                expected.add_metric(key, t.accept_length)
+                speedup.add_metric(key, t.speedup)
+            yield from (nodes, expected, speedup)

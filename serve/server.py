@@ -87,7 +87,7 @@ class SalaServer:
         serve_log.info("warming up the engine for %s: compiling its decode step, usually 15-60 s on CPU", path)
         start = time.perf_counter()
         engine.warmup()
-        serve_log.info("engine warmed up in %.1f s", time.perf_counter() - start)
+        serve_log.info("engine warmed up in %.1f s; %s", time.perf_counter() - start, engine.decoding.describe())
         self.metrics = Metrics(engine.info())
         self.client = EngineClient(engine, self.metrics, max_tokens_limit)
         names = served_names(served_model_name) or [model_name(model, path)]

@@ -152,6 +152,7 @@ def medusa_checkpoint(tiny_sala_dir, tmp_path_factory):
     heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, shared_lm_head=False), base.lm_head)
     cfg = train.TrainConfig(steps=120, batch_size=8, lr=3e-3)
     train.train_heads(heads, base, encoded, train.RowSampler(len(seqs), None, cfg.batch_size, 0), cfg)
+    heads.config.path_acceptance = train.evaluate(heads, base, encoded)["path_acceptance"]  # what trees are chosen by
     out = train.write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa")
     torch.set_num_threads(n)
     return out

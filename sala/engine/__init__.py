@@ -3,7 +3,7 @@
 What servers and jobs use is exported here; the modules behind it may move."""
 from sala.engine.async_engine import AsyncEngine, RequestStream
 from sala.engine.cache import CachePool
-from sala.engine.config import EngineConfig, SpeculationSettingError, parse_max_batch
+from sala.engine.config import EngineConfig, SpeculationSettingError, parse_max_batch, parse_nodes
 from sala.engine.engine import Engine
 from sala.engine.memory import CacheFull
 from sala.engine.request import Completion, RequestOutput, SpecStats
@@ -13,4 +13,4 @@ from sala.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams, TokenL
 
 __all__ = ["AsyncEngine", "CacheFull", "CachePool", "Completion", "Engine", "EngineConfig", "EngineInfo", "EngineStats", "InvalidParam",
            "MAX_TOP_LOGPROBS", "QueueFull", "RequestOutput", "RequestStream", "SamplingParams", "SpecStats",
-           "SpeculationSettingError", "TokenLogprob", "parse_max_batch"]
+           "SpeculationSettingError", "TokenLogprob", "parse_max_batch", "parse_nodes"]

@@ -1,13 +1,14 @@
 """The engine's configuration: every setting in one frozen record, validated once.
 
 `EngineConfig(**settings)` checks what the settings alone decide (ranges, the snapshot
-interval's alignment, medusa_max_batch's form). `resolve` then fills in what depends on the
+interval's alignment, the Medusa settings' forms). `resolve` then fills in what depends on the
 model and the device: the cache plan, the memory plan, and the sizes whose defaults follow
 from them. The engine hands the resolved record whole to the cache pool, the scheduler, the
 runner and the decoding strategy; none of them takes a setting any other way.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -28,22 +29,59 @@ PAGE_SIZE = 64  # InfLLM-v2's block
 
 
 class SpeculationSettingError(ValueError):
-    """medusa_max_batch is neither an integer >= 0, "auto" nor None."""
+    """medusa_nodes or medusa_max_batch is not one of the forms it takes."""
 
 
-def parse_max_batch(value) -> int | str | None:
-    """medusa_max_batch as given (an integer >= 0, "auto" or None), or SpeculationSettingError naming it."""
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, str):  # from a command line or YAML
+def _count(value):
+    """An integer given as a string (a command line, YAML) as an integer; anything else as is."""
+    if isinstance(value, str):
         try:
-            value = int(value)
+            return int(value)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpeculationSettingError(f"medusa_max_batch={value!r}: give an integer >= 0 (0 never verifies), 'auto' (timed at "
-                                      "warmup) or None (always verify)")
     return value
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_max_batch(value) -> int | None:
+    """medusa_max_batch as given (an integer >= 0 or None), or SpeculationSettingError naming it."""
+    if value is None:
+        return None
+    if value == "auto":
+        raise SpeculationSettingError("medusa_max_batch='auto': Medusa now chooses from measured step costs by default "
+                                      "(medusa_nodes='auto'); medusa_max_batch only caps the batch sizes that verify")
+    if not _is_count(value := _count(value)):
+        raise SpeculationSettingError(f"medusa_max_batch={value!r}: give an integer >= 0 (0 never verifies) or None "
+                                      "(no cap)")
+    return value
+
+
+def parse_nodes(value) -> int | str:
+    """medusa_nodes as given ("auto" or None for it, or an integer >= 0), or SpeculationSettingError naming it."""
+    if value is None or value == "auto":
+        return "auto"
+    if not _is_count(value := _count(value)):
+        raise SpeculationSettingError(f"medusa_nodes={value!r}: give 'auto' (each batch size's tree chosen from measured "
+                                      "step costs), a node count (that subtree of the heads' tree at every step) or 0 "
+                                      "(never verify)")
+    return value
+
+
+def add_medusa_arguments(ap) -> None:
+    """The Medusa flags of a command line that serves or runs an engine (argparse parser `ap`):
+    --medusa / --no-medusa, --medusa-nodes, --medusa-max-batch, parsed by parse_nodes and
+    parse_max_batch once the caller has them."""
+    ap.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode with the checkpoint's medusa/ heads (default: when it has them)")
+    ap.add_argument("--medusa-nodes", metavar="auto|N",
+                    help="draft tree nodes a verify step checks: auto (default) picks per batch size the subtree of "
+                         "the heads' tree, or none, that decodes fastest by step costs measured at start-up; N: that "
+                         "many at every step; 0: never verify")
+    ap.add_argument("--medusa-max-batch", metavar="N",
+                    help="verify draft trees only while at most N requests decode (default: no cap)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,9 +106,12 @@ class EngineConfig:
       snapshots' own budget (default an eighth of memory_bytes; on CUDA taken out of the
       default budget, on CPU on top of it).
     - Medusa (an engine given heads): typical_threshold and typical_alpha, typical acceptance
-      for sampled requests (Medusa's posterior_threshold and alpha); medusa_max_batch: verify
-      only while at most this many requests decode (an integer; "auto": chosen from step times
-      measured by warmup; None: always verify; sala/engine/medusa_decoding.py).
+      for sampled requests (Medusa's posterior_threshold and alpha); medusa_nodes: which draft
+      tree a step verifies ("auto": per batch size the subtree of the heads' tree, or none, that
+      decodes fastest by the step costs warmup measures and the acceptance the heads were
+      measured at, corrected by what recent steps accepted; N: the N-node subtree at every
+      step; 0: never; sala/engine/medusa_decoding.py); medusa_max_batch: verify only while at
+      most this many requests decode (None: no cap).
 
     Resolved (`resolve`): device, model (the model's config), kv_plan as a KVPlan, memory (the
     MemoryPlan), and every None size above as the engine uses it.
@@ -91,7 +132,8 @@ class EngineConfig:
     prefix_snapshot_bytes: int | None = None
     typical_threshold: float = TYPICAL_THRESHOLD
     typical_alpha: float = TYPICAL_ALPHA
-    medusa_max_batch: int | str | None = None
+    medusa_nodes: int | str = "auto"
+    medusa_max_batch: int | None = None
     # Filled in by `resolve`.
     device: torch.device | None = None
     model: object = None  # the model's config (SALAConfig)
@@ -111,6 +153,7 @@ class EngineConfig:
             raise ValueError(f"prefix_snapshot_interval={self.prefix_snapshot_interval} must be a positive multiple of "
                              f"{unit} (the page size {self.page_size} and the lightning chunk {lightning.CHUNK_SIZE})")
         object.__setattr__(self, "medusa_max_batch", parse_max_batch(self.medusa_max_batch))
+        object.__setattr__(self, "medusa_nodes", parse_nodes(self.medusa_nodes))
 
     @property
     def granule(self) -> int:

@@ -91,6 +91,7 @@ class Decoding(Protocol):
     def compiled_steps(self) -> list[CompiledStep | CudaGraphDecode]: ...
     def warmup(self, engine, prompt: list[int], params) -> None: ...
     def stats(self): ...
+    def describe(self) -> str: ...
 
 
 class PlainDecoding:
@@ -163,3 +164,6 @@ class PlainDecoding:
 
     def stats(self) -> None:
         return None
+
+    def describe(self) -> str:
+        return "plain decoding, one token a request a step"

@@ -173,7 +173,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile (CPU) or capture (CUDA) the decoding's steps now, not on the first request (and
-        with medusa_max_batch='auto' time them); servers and batch jobs call this at start-up.
+        with medusa_nodes="auto" time them); servers and batch jobs call this at start-up.
         The requests it runs are not counted in the engine's totals."""
         with self._uncounted():
             self.decoding.warmup(self, [self.model.config.bos_token_id or 0],
@@ -333,8 +333,9 @@ class Engine:
 def _check_medusa(config: EngineConfig, medusa) -> None:
     """The settings that need Medusa heads, or cannot have them."""
     if medusa is None:
-        if config.medusa_max_batch is not None:
-            raise ValueError(f"medusa_max_batch={config.medusa_max_batch!r} was given but Medusa is off (no heads)")
+        for name, default in (("medusa_nodes", "auto"), ("medusa_max_batch", None)):
+            if (value := getattr(config, name)) != default:
+                raise ValueError(f"{name}={value!r} was given but Medusa is off (no heads)")
     elif config.batch_invariant:
         raise ValueError("Medusa tree verify has no batch-invariant mode: pass medusa=None (or medusa=False to "
                          "from_pretrained) for the evaluation mode")

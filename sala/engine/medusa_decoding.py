@@ -7,38 +7,49 @@ TreeStep: sparse layers attend over the committed K/V plus each node's ancestors
 layers run the tree from the slot's state; neither writes the pools). After the forward,
 `TreeVerify.emit` keeps the longest acceptable path of each tree (the acceptance math,
 sala/medusa/accept.py: greedy is lossless, sampling uses typical acceptance), commits it
-(`commit`: its K/V into the pages and the lightning states advanced along it,
+(`settle`: its K/V into the pages and the lightning states advanced along it,
 sala/engine/paged.py commit_tree), takes the bonus token at its last node and the heads'
 drafts there for the next tree, and counts.
 
-On CPU a verify step with no prompt chunk runs compiled (`CompiledTreeVerify`: request count
-and committed width dynamic, the tree fixed), and for a batch of greedy requests without
-logprobs the acceptance, commit, bonus token and drafts are a second graph
-(`CompiledGreedyAccept`), read back once. Steps with prompt chunks run eagerly.
+On CPU a verify step with no prompt chunk runs compiled (request count, committed width and tree
+size dynamic): for a batch of greedy requests without logprobs the whole step, forward,
+acceptance, commit, bonus token and drafts, is one graph (`CompiledGreedyVerify`), read back
+once; for any other batch the forward is (`CompiledTreeVerify`) and acceptance runs eagerly.
+Steps with prompt chunks run eagerly. Where a lightning layer keeps BF16 states its
+verify scans the tree depth by depth (sala/lightning_tree.py), a loop the graph unrolls: then
+each tree has a forward graph of its own, and greedy batches accept eagerly too.
 
-When to verify (`SpeculationPolicy`). A verify step costs more than a decode step (T rows a
-request instead of one) and pays for it in accepted tokens. Where a step is overhead-bound
-(small batches, a GPU) that is a gain; where the rows already fill the machine (large batches,
-a CPU) it is a loss. So, as vLLM's `disable_by_batch_size`, a step whose decoding requests
-number more than `max_batch` decodes plainly. `max_batch` (the engine's medusa_max_batch):
+Which tree (`TreeChoice`). A verify step costs more than a decode step (T rows a request, and
+the acceptance after it) and pays for it in accepted tokens; which tree pays best, if any,
+depends on the machine, the batch and the text. The heads come with their tree (the largest
+this engine verifies) and with how often each of its paths was right on the validation text
+they were trained against (MedusaConfig.path_acceptance). Ordered most often right first, every
+prefix of its paths is a tree (tree.by_acceptance), and a tree's expected accept length is 1 +
+the sum of its paths' acceptance. The candidates are the prefixes of CANDIDATE_NODES nodes up to
+the whole tree: nested, so a step may verify any of them (a request's drafts are the heads'
+top-k at every depth, whatever tree reads them). medusa_nodes (the engine setting):
 
-- None: always verify;
-- an integer N: verify while at most N requests decode;
-- "auto": `warmup` times a plain decode step and a verify step at batch sizes 1, 2, 4, ... up
-  to the engine's max_seqs, and a step of n requests verifies when
-  accept_length x plain(n) >= verify(n) (step times interpolated between the sizes timed). A
-  verify step is timed twice: for greedy requests, whose acceptance and commit run compiled on
-  CPU, and for sampled ones (typical acceptance, eager); a step with any sampled or logprobs
-  request is judged by the second. accept_length is the engine's running mean once
-  MIN_VERIFY_STEPS verify steps have been measured, before that the tree's expected accept
-  length from the heads' measured per-rank accuracy (tree.expected_accept_length, an
-  underestimate), and with neither, verify. Until warmup has timed the steps, it always verifies.
+- "auto" (default): warmup times a plain decode step and a verify step of each candidate at
+  batch sizes 1, 2, 4, ... max_seqs, for greedy batches (acceptance compiled on CPU) and for
+  batches with a sampled or logprobs request (eager acceptance); a step of n decoding requests
+  verifies the candidate with the most expected tokens per second,
+      speedup = accept_length(tree) x plain(n) / verify(n, tree),
+  where that is at least MIN_SPEEDUP, else it decodes plainly (step times interpolated between
+  the batch sizes timed). accept_length(tree) is the expected one scaled by what verify steps
+  of the last WINDOW_STEPS decode steps accepted against what they were expected to (once
+  MIN_OBSERVED requests' verifies are in the window; greedy and sampled batches apart). So a
+  text the heads do not know, or sampled requests, shrink the tree or stop verification; a batch
+  that grows moves to the choice timed for its size; and once the observations that stopped it
+  have aged out of the window, it verifies again and looks. Until warmup has timed the steps
+  it verifies the whole tree; heads with no measured acceptance have their whole tree as the
+  one candidate, and what the window measures it to accept decides.
+- N: the N-node candidate at every step; 0: never verify.
 
-A plain step of a Medusa engine drafts only for the prompts it ends (their first tree); the
-requests it decodes keep their drafts, so the first verify after plain steps usually accepts
-less, never anything wrong. Greedy output does not depend on the policy (both kinds of step
-are lossless); a sampled request's tokens do (typical acceptance and plain sampling draw
-differently), as with vLLM's setting.
+medusa_max_batch caps the batch sizes that may verify. A plain step of a Medusa engine drafts
+only for the prompts it ends (their first tree); the requests it decodes keep their drafts, so
+the first verify after plain steps usually accepts less, never anything wrong. Greedy output
+does not depend on the choice (every step is lossless); a sampled request's tokens do (typical
+acceptance and plain sampling draw differently), as with vLLM's disable_by_batch_size.
 """
 from __future__ import annotations
 
@@ -46,8 +57,9 @@ import bisect
 import logging
 import math
 import time
+from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -57,49 +69,74 @@ from sala.engine.context import StepContext, TreeStep
 from sala.engine.decoding import Emitted, PlainDecoding, StepOutput
 from sala.engine.graphs import CompiledStep, rows_dynamic
 from sala.engine.request import Request, SpecStats
-from sala.engine.stats import SpeculationStats
+from sala.engine.stats import ChosenTree, SpeculationStats
 from sala.medusa import accept as medusa_accept
-from sala.medusa.accept import Settled
-from sala.medusa.tree import expected_accept_length
+from sala.medusa.accept import Settled, TreeIndices
+from sala.medusa.tree import MedusaTree, build_tree, by_acceptance, expected_accept_length
 from sala.sampling import InvalidParam, SamplingParams, sample, token_logprobs
 
 log = logging.getLogger(__name__)
-MIN_VERIFY_STEPS = 32
+CANDIDATE_NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+WINDOW_STEPS = 512  # decode steps an observed verify counts for
+MIN_OBSERVED = 16  # requests' verifies in the window before they correct the expected acceptance
+MIN_SPEEDUP = 1.05  # below it, the step times' noise could make a loss look like a gain
+TIMED_STEPS = 7  # of each kind, taken in turn
 
 
 def greedy_batch(reqs: list[Request]) -> bool:
     """Greedy requests without logprobs only: their verify needs nothing but argmaxes (on CPU the
-    compiled greedy tail; a batch with any other request accepts eagerly)."""
+    compiled greedy verify step; a batch with any other request accepts eagerly)."""
     return all(r.params.greedy and r.params.logprobs is None for r in reqs)
 
 
+def candidate_sizes(setting: int | str, nodes: int, measured: bool) -> list[int]:
+    """The node counts of the trees an engine may verify, given medusa_nodes, the heads' tree size
+    and whether its paths' acceptance was measured."""
+    if setting == "auto":
+        return sorted({n for n in CANDIDATE_NODES if n < nodes} | {nodes}) if measured else [nodes]
+    if setting > nodes:
+        raise ValueError(f"medusa_nodes={setting} but the heads' tree has {nodes} nodes: give at most {nodes}, or 'auto'")
+    return [setting] if setting else []
+
+
 class MedusaDecoding:
-    """Medusa heads serving an engine: each step's choice between a verify step and a plain one,
-    the drafts, and the counters."""
+    """Medusa heads serving an engine: each step's choice of tree (or none), the drafts, the counters."""
 
     def __init__(self, config: EngineConfig, heads, runner):
         model, cache = runner.model, runner.cache
         param = next(model.parameters())
         self.heads = heads.to(device=cache.device, dtype=param.dtype if param.is_floating_point() else torch.float32)
-        self.tree = heads.tree.to(cache.device)
-        for t in (self.tree.depths, self.tree.ancestor_mask, self.tree.parents):
-            torch._dynamo.mark_static(t)  # a compiled verify step specialises on the tree's shape
         self.config, self.model, self.cache = config, model, cache
         self.totals = SpecStats()  # over all requests
-        accuracy = heads.config.rank_accuracy
-        self.prior_accept_length = expected_accept_length(torch.tensor(accuracy), self.tree) if accuracy else None
-        self.policy = SpeculationPolicy(config.medusa_max_batch)
+        acceptance = heads.config.acceptance
+        order = by_acceptance(heads.config.tree, acceptance)
+        sizes = candidate_sizes(config.medusa_nodes, len(order), bool(acceptance))
+        compiled = config.compiled and cache.device.type == "cpu"
+        # One pair of graphs serves every tree unless a layer scans trees depth by depth (BF16 states):
+        # then each tree has a forward graph of its own and greedy batches accept eagerly, as inductor
+        # miscompiled the greedy verify graph's commit of BF16 node states (states off by ~25 after one
+        # step; the same graph through aot_eager is exact).
+        shared = compiled and all(s.dtype == torch.float32 for s in cache.states.values())
+        graphs = (CompiledTreeVerify(model), CompiledGreedyVerify(self)) if shared else None
+        self.verifies = {}
+        for n in sizes:
+            tree = build_tree(order[:n], heads.config.topk, heads.config.num_heads).to(cache.device)
+            own = (CompiledTreeVerify(model), None) if compiled and not shared else None
+            self.verifies[n] = TreeVerify(self, tree, graphs or own, levels=not shared)
+        self.choice = TreeChoice(prior={n: expected_accept_length(acceptance, order[:n]) if acceptance else None
+                                        for n in sizes},
+                                 max_batch=config.medusa_max_batch, fixed=config.medusa_nodes != "auto")
         self.plain = PlainDecoding(config, runner)
         self.plain_step = PlainStep(self)
-        self.verify = TreeVerify(self)
 
     def for_step(self, decoding: list[Request]):
-        """A verify step for these decoding requests, or a plain one (the policy's choice)."""
-        verifies = decoding and self.policy(len(decoding), self.accept_length, greedy_batch(decoding))
-        return self.verify if verifies else self.plain_step
+        """The chosen tree's verify step for these decoding requests, or a plain one."""
+        nodes = self.choice(len(decoding), greedy_batch(decoding)) if decoding else 0
+        return self.verifies[nodes] if nodes else self.plain_step
 
     def compiled_steps(self) -> list:
-        return self.plain.compiled_steps() + [s for s in (self.verify.fast_verify, self.verify.fast_greedy) if s]
+        graphs = {id(g): g for v in self.verifies.values() for g in (v.fast_verify, v.fast_greedy) if g is not None}
+        return self.plain.compiled_steps() + list(graphs.values())
 
     def admit(self, req: Request) -> None:
         """Refuse what tree acceptance cannot honour: it judges drafts by the raw logits."""
@@ -111,10 +148,6 @@ class MedusaDecoding:
             raise InvalidParam(name, f"{name} is not supported with Medusa decoding; serve without Medusa to use it")
         req.spec = SpecStats()
 
-    @property
-    def accept_length(self) -> float | None:
-        return running_accept_length(self.totals, self.prior_accept_length)
-
     @torch.inference_mode()
     def draft(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
         """Each request's next tree candidates [K, topk] from the heads' input at its row."""
@@ -122,16 +155,13 @@ class MedusaDecoding:
             for r, d in zip(reqs, self.heads.draft_tokens(hidden, self.model.lm_head)):
                 r.drafts = d
 
-    def commit(self, ctx: StepContext, acc: medusa_accept.Accepted) -> None:
-        """The accepted paths' K/V into the pages, the lightning states advanced along them."""
-        dest = ctx.tree.path_rows(acc.lengths, self.tree.retrieve_indices.shape[1], self.cache.scratch_row)
-        paged.commit_tree(self.model.model, ctx, acc.paths, acc.lengths, dest)
-
-    def settle(self, acc: medusa_accept.Accepted, ctx: StepContext, tokens: torch.Tensor, hidden: torch.Tensor,
-               bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def settle(self, tree: MedusaTree | TreeIndices, acc: medusa_accept.Accepted, ctx: StepContext,
+               tokens: torch.Tensor, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After acceptance, in tensor ops alone (the compiled greedy graph runs it too): the
-        commit, then the fields of a Settled (a plain tuple: what a compiled graph returns)."""
-        self.commit(ctx, acc)
+        accepted paths' K/V into the pages and the lightning states advanced along them, then the
+        fields of a Settled (a plain tuple: what a compiled graph returns)."""
+        dest = ctx.tree.path_rows(acc.lengths, tree.retrieve_indices.shape[1], self.cache.scratch_row)
+        paged.commit_tree(self.model.model, ctx, acc.paths, acc.lengths, dest)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         drafts = self.heads.draft_tokens(hidden[rows, acc.last_nodes()], self.model.lm_head)
         return torch.cat([acc.lengths[:, None], tokens.gather(1, acc.paths.clamp(min=0)), bonus[:, None]], 1), drafts
@@ -140,74 +170,100 @@ class MedusaDecoding:
     def stats(self) -> SpeculationStats:
         t = self.totals
         return SpeculationStats(verify_steps=t.verify_steps, draft_tokens=t.draft_tokens, accepted_tokens=t.accepted_tokens,
-                                max_batch=self.largest_batch())
-
-    def largest_batch(self, greedy: bool = True) -> int:
-        """The largest batch size up to max_seqs that verifies now (0: none)."""
-        return self.policy.largest_batch(self.config.max_seqs, self.accept_length, greedy)
+                                trees=self.choice.table())
 
     def describe(self) -> str:
-        policy = self.policy
-        if policy.max_batch is None:
-            return "Medusa verifies at every batch size"
-        if policy.max_batch != "auto":
-            return f"Medusa verifies while at most {policy.max_batch} requests decode"
-        if not policy.step_ms:
-            return "Medusa verifies at every batch size until warmup times the steps (medusa_max_batch='auto')"
-        times = ", ".join(f"{n}: {p:.1f} / {g:.1f} / {v:.1f} ms" for n, (p, g, v) in sorted(policy.step_ms.items()))
-        accept = "unknown" if self.accept_length is None else f"{self.accept_length:.2f}"
-        return (f"Medusa verifies greedy batches up to {self.largest_batch()} requests, sampled ones up to "
-                f"{self.largest_batch(greedy=False)} (medusa_max_batch='auto': accept length {accept}; plain "
-                f"/ greedy verify / sampled verify step at batch {times})")
+        """The choice in a line: what each batch size timed verifies now, and why."""
+        choice = self.choice
+        if not choice.prior:
+            return "Medusa never verifies (medusa_nodes=0)"
+        cap = "" if choice.max_batch is None else f" while at most {choice.max_batch} requests decode"
+        if choice.fixed or not choice.step_ms:
+            why = "" if choice.fixed else " (until warmup times the steps)"
+            return f"Medusa verifies the {max(choice.prior)}-node tree{cap}{why}"
+        rows = []
+        for greedy in (True, False):
+            chosen = ", ".join(f"{t.batch}: " + (f"{t.nodes} nodes ({t.accept_length:.2f} tokens a step, {t.speedup:.2f}x)"
+                                                  if t.nodes else "plain")
+                               for t in choice.table() if t.greedy == greedy)
+            rows.append(f"{'greedy' if greedy else 'sampled'} batches {chosen}")
+        return f"Medusa trees chosen from measured step costs{cap}, by batch size: " + "; ".join(rows)
 
     # ---------------------------------------------------------------- warmup
     def warmup(self, engine, prompt: list[int], params: SamplingParams) -> None:
-        """Compile the steps the engine serving these heads may take, and with
-        medusa_max_batch='auto' time them: through the engine's public API, which Engine.warmup
-        keeps out of its counts."""
+        """Compile the steps the engine serving these heads may take, and with medusa_nodes='auto'
+        time them: through the engine's public API, which Engine.warmup keeps out of its counts."""
         if self.plain.fast_decode is not None:
-            # Verify steps of one request and of several are two graphs (see CompiledTreeVerify), and
-            # so are the greedy tails after them; sampled and logprobs batches accept eagerly.
-            for n in (1, 2) if self.verify.fast_verify is not None and self.config.max_seqs > 1 else (1,):
-                engine.generate([prompt] * n, params)
-            if self.policy.max_batch is not None:  # plain decode steps too
-                with self.policy.forcing(False):
-                    engine.generate([prompt], params)
-        if self.policy.max_batch == "auto":
-            self.policy.step_ms = self._time_steps(engine, prompt)
+            with self.choice.forcing(0):
+                engine.generate([prompt], params)
+            # Verify steps of one request and of several are two graphs (see CompiledTreeVerify), for greedy
+            # batches (the whole step) and for sampled ones (the forward). Shared graphs compile on the
+            # largest tree, so that every size is a new value of a dynamic one.
+            graphs = {id(v.fast_verify): n for n, v in sorted(self.verifies.items()) if v.fast_verify is not None}
+            sampled = replace(params, temperature=1.0, seed=0)
+            for n in graphs.values():
+                with self.choice.forcing(n):
+                    for batch in (1, 2) if self.config.max_seqs > 1 else (1,):
+                        for p in (params, sampled):
+                            engine.generate([prompt] * batch, p)
+        if self.choice.prior and not self.choice.fixed:
+            self._time_steps(engine, prompt)
             log.info(self.describe())
 
-    def _time_steps(self, engine, prompt: list[int], steps: int = 5) -> dict[int, tuple[float, float, float]]:
-        """Median ms of a pure plain decode step, a greedy verify step and a sampled verify step
-        at batch sizes 1, 2, 4, ... max_seqs (what medusa_max_batch='auto' decides by)."""
-        max_seqs = self.config.max_seqs
-        sizes = sorted({min(2**i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
-        # Each request must outlive the timed steps: a verify step may take max_depth + 1 tokens.
-        max_tokens = min(2 * steps * (self.tree.max_depth + 1) + 8, self.cache.max_tokens - 1)
-        table = {}
-        for n in sizes:
-            times = []
-            for temperature, kinds in ((0, (False, True)), (1, (True,))):
-                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
-                reqs = [engine.add_request(prompt, params) for _ in range(n)]
-                for verify in kinds:
-                    ms = []
-                    with self.policy.forcing(verify):
-                        while len(ms) < steps and engine.has_work():
-                            before = engine.stats()
-                            pure = before.waiting == 0 and not any(r.prefilling for r in reqs if not r.finish_reason)
-                            t0 = time.perf_counter()
-                            engine.step()
-                            elapsed = time.perf_counter() - t0
-                            if pure and engine.stats().running == n:
-                                ms.append(1e3 * elapsed)
-                    times.append(sorted(ms)[len(ms) // 2] if ms else math.inf)
-                for r in reqs:
-                    engine.cancel(r)
-                while engine.has_work():
-                    engine.step()
-            table[n] = tuple(times)
-        return table
+    def _time_steps(self, engine, prompt: list[int]) -> None:
+        """The choice's step times: median ms of a plain decode step and of each candidate's
+        verify step, greedy and sampled, at batch sizes 1, 2, 4, ... up to max_seqs (and
+        medusa_max_batch). A batch's candidates are timed smallest first until one is clearly
+        past the best of them; larger batches are not timed once no candidate pays at one (a verify's
+        cost grows with the batch faster than a decode step's)."""
+        choice, cap = self.choice, self.config.max_seqs
+        if choice.max_batch is not None:
+            cap = min(cap, choice.max_batch)
+        choice.step_ms = {}
+        for n in sorted({min(2**i, cap) for i in range(cap.bit_length() + 1)} - {0}):
+            row = choice.step_ms[n] = {}
+            for greedy in (True, False):
+                pairs, best = {}, 0.0
+                for nodes in sorted(choice.prior):
+                    pairs[nodes] = self._time_pair(engine, prompt, n, greedy, nodes)
+                    # Each verify time against the plain steps timed beside it, scaled to the plain
+                    # time of the whole batch size: the machine's speed drifts between pairs.
+                    plain = row[(greedy, 0)] = median([p for p, _ in pairs.values()])
+                    row.update({(greedy, k): v * plain / p for k, (p, v) in pairs.items()})
+                    speedup = choice.speedup(row, nodes, greedy)
+                    if speedup < 0.8 * best:  # past the best tree: a verify's fixed cost makes small trees no guide
+                        break
+                    best = max(best, speedup)
+            if all(choice.best(n, greedy)[0] == 0 for greedy in (True, False)):
+                break
+
+    def _time_pair(self, engine, prompt: list[int], n: int, greedy: bool, nodes: int) -> tuple[float, float]:
+        """Median ms of a plain decode step and of a step verifying the `nodes`-node tree, taken
+        in turn over n decoding requests (steps with no prompt work)."""
+        depth = self.verifies[nodes].tree.max_depth
+        params = SamplingParams(max_tokens=min(TIMED_STEPS * (depth + 2) + 8, self.cache.max_tokens - 1),
+                                temperature=0 if greedy else 1, seed=0, ignore_eos=True)
+        reqs = [engine.add_request(prompt, params) for _ in range(n)]
+        ms = {0: [], nodes: []}
+        with self.choice.forcing(0):
+            while min(map(len, ms.values())) < TIMED_STEPS and engine.has_work():
+                before = engine.stats()
+                pure = before.waiting == 0 and not any(r.prefilling for r in reqs if not r.finish_reason)
+                t0 = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - t0
+                if pure and engine.stats().running == n:
+                    ms[self.choice.force].append(1e3 * elapsed)
+                    self.choice.force = nodes - self.choice.force  # the other kind next
+        for r in reqs:
+            engine.cancel(r)
+        while engine.has_work():
+            engine.step()
+        return median(ms[0]), median(ms[nodes])
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else math.inf
 
 
 class PlainStep:
@@ -225,17 +281,19 @@ class PlainStep:
 
 
 class TreeVerify:
-    """A verify step: each decoding request's draft tree in its rows, the accepted path kept."""
+    """A verify step of one tree: each decoding request's draft tree in its rows, the accepted path kept."""
 
     drafts = True
 
-    def __init__(self, medusa: MedusaDecoding):
-        self.medusa, self.tree, self.cache = medusa, medusa.tree, medusa.cache
-        self.lookahead, self.rows = self.tree.max_depth, self.tree.num_nodes
-        self.levels = self.tree.levels  # computed once: the tree is fixed
-        on_cpu = medusa.config.compiled and self.cache.device.type == "cpu"
-        self.fast_verify = CompiledTreeVerify(medusa.model) if on_cpu else None
-        self.fast_greedy = CompiledGreedyAccept(medusa) if on_cpu else None
+    def __init__(self, medusa: MedusaDecoding, tree: MedusaTree, graphs, levels: bool):
+        self.medusa, self.tree, self.cache = medusa, tree, medusa.cache
+        self.lookahead, self.rows = tree.max_depth, tree.num_nodes
+        self.levels = tree.levels if levels else None  # what a BF16-state layer's scan unrolls; computed once
+        retrieve = tree.retrieve_indices
+        # A compiled graph sizes every tree dimension dynamically, and a dimension of 1 would be
+        # specialised on: a chain's single path is given twice (the first longest row wins anyway).
+        self.indices = TreeIndices(tree.parents, retrieve if retrieve.shape[0] > 1 else retrieve.repeat(2, 1))
+        self.fast_verify, self.fast_greedy = graphs or (None, None)
 
     def inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, StepContext]:
         """Each request's draft tree (R * T tokens) and the step context that verifies them."""
@@ -261,16 +319,15 @@ class TreeVerify:
     def run_compiled(self, ids: torch.Tensor, ctx: StepContext, reqs: list[Request]) -> StepOutput | None:
         """Through the compiled graphs (CPU); None where there are none (or compiling failed)."""
         tokens = ids.view(len(reqs), -1)
+        if self.fast_greedy is not None and greedy_batch(reqs):
+            decided = self.fast_greedy(self.indices, tokens, ctx, self._room(reqs))
+            if decided is not None:  # None: compiling failed, accept eagerly
+                return StepOutput(ids, ctx, decided=Settled(*decided))
         out = self.fast_verify(tokens, ctx) if self.fast_verify is not None else None
         if out is None:
             return None
         hidden, logits, ctx.tree.saved = out
-        step = StepOutput(ids, ctx, decoded=logits, decoded_hidden=hidden)
-        if self.fast_greedy is not None and greedy_batch(reqs):
-            r, t = tokens.shape
-            decided = self.fast_greedy(tokens, logits.view(r, t, -1), hidden.view(r, t, -1), ctx, self._room(reqs))
-            step.decided = None if decided is None else Settled(*decided)  # None: compiling failed, accept eagerly
-        return step
+        return StepOutput(ids, ctx, decoded=logits, decoded_hidden=hidden)
 
     def _room(self, reqs: list[Request]) -> torch.Tensor:
         """[R] tokens each request may still generate: the most nodes its accepted path may keep."""
@@ -283,16 +340,16 @@ class TreeVerify:
         medusa, tree = self.medusa, self.tree
         medusa.draft(out.sampled, out.hidden)
         tokens = out.ids.view(len(reqs), tree.num_nodes)
-        logits = out.decoded.view(len(reqs), tree.num_nodes, -1)
         if out.decided is not None:  # greedy without logprobs: no path to score
             (emitted, drafts), paths = out.decided, None
         else:
+            logits = out.decoded.view(len(reqs), tree.num_nodes, -1)
             acc = medusa_accept.accept(tree, tokens, logits, [r.params for r in reqs], self._room(reqs),
                                        medusa.config.typical_threshold, medusa.config.typical_alpha)
             bonus = torch.tensor(sample(logits[torch.arange(len(reqs)), acc.last_nodes()], reqs, eos_ids),
                                  device=tokens.device)
-            emitted, drafts = medusa.settle(acc, out.context, tokens, out.decoded_hidden.view(len(reqs), tree.num_nodes, -1),
-                                            bonus)
+            emitted, drafts = medusa.settle(tree, acc, out.context, tokens,
+                                            out.decoded_hidden.view(len(reqs), tree.num_nodes, -1), bonus)
             paths = acc.paths.tolist()
         gained = []
         for i, (r, row) in enumerate(zip(reqs, emitted.tolist())):  # the step's one read-back
@@ -306,67 +363,117 @@ class TreeVerify:
             if r.params.logprobs is not None:  # token j is scored by the logits of the node before it (eager path only)
                 scored = token_logprobs(logits[i, paths[i][:n]], accepted, [r.params.logprobs] * n)
             gained.append(Emitted(r, accepted, scored))
+        medusa.choice.observe(tree.num_nodes - 1, greedy_batch(reqs), len(reqs), sum(len(g.tokens) - 1 for g in gained))
         return gained
 
 
-def running_accept_length(totals: SpecStats, prior: float | None) -> float | None:
-    """What a verify step is expected to yield: the measured mean once MIN_VERIFY_STEPS verify
-    steps are in `totals`, before that the prior (None: unknown)."""
-    return totals.accept_length if totals.verify_steps >= MIN_VERIFY_STEPS else prior
-
-
 @dataclass
-class SpeculationPolicy:
-    """Whether a step verifies, from medusa_max_batch and (for "auto") the step times warmup measured."""
+class TreeChoice:
+    """Which candidate tree (by node count; 0: none) a step verifies: see the module docstring."""
 
-    max_batch: int | str | None
-    # auto: batch -> (plain, greedy verify, sampled verify) ms
-    step_ms: dict[int, tuple[float, float, float]] = field(default_factory=dict)
-    force: bool | None = None  # set while warmup times one kind of step
+    prior: dict[int, float | None]  # candidate -> its expected accept length (None: not measured)
+    max_batch: int | None
+    fixed: bool  # medusa_nodes=N: always the one candidate (up to max_batch)
+    # batch size -> {(greedy, nodes): ms of such a step}, measured by warmup (nodes 0: a plain step)
+    step_ms: dict[int, dict[tuple[bool, int], float]] = field(default_factory=dict)
+    force: int | None = None  # set while warmup compiles or times one kind of step
+    # (decode step, greedy, nodes, requests, drafts accepted) of recent verify steps
+    window: deque = field(default_factory=deque)
+    # greedy -> [requests, drafts accepted, drafts the priors expected] over the window, kept as
+    # entries come and go: the choice is made every step, in well under a step's time
+    observed: dict[bool, list] = field(default_factory=lambda: {True: [0, 0, 0.0], False: [0, 0, 0.0]})
+    steps: int = 0  # decode steps chosen for so far
 
-    def __call__(self, n: int, accept_length: float | None, greedy: bool = True) -> bool:
-        """Whether a step with n decoding requests verifies their trees (greedy: all of them are
-        greedy without logprobs)."""
+    def __call__(self, n: int, greedy: bool = True) -> int:
+        """The tree a step with n decoding requests verifies (greedy: all of them are greedy
+        without logprobs); 0: it decodes plainly."""
+        self.steps += 1
+        while self.window and self.window[0][0] <= self.steps - WINDOW_STEPS:
+            self._count(self.window.popleft(), -1)
         if self.force is not None:
             return self.force
-        if self.max_batch is None:
-            return True
-        if self.max_batch != "auto":
-            return n <= self.max_batch
-        if not self.step_ms or accept_length is None:
-            return True
-        plain, verify_greedy, verify_sampled = self.step_times(n)
-        return accept_length * plain >= (verify_greedy if greedy else verify_sampled)
+        if not self.prior or (self.max_batch is not None and n > self.max_batch):
+            return 0
+        if self.fixed or not self.step_ms:
+            return max(self.prior)
+        return self.best(n, greedy)[0]
 
-    def largest_batch(self, max_seqs: int, accept_length: float | None, greedy: bool = True) -> int:
-        """The largest batch size up to max_seqs that verifies (0: none)."""
-        return max((n for n in range(1, max_seqs + 1) if self(n, accept_length, greedy)), default=0)
+    def best(self, n: int, greedy: bool) -> tuple[int, float]:
+        """The candidate with the most expected tokens/s at n requests and its speedup over plain
+        decoding; (0, 1.0) where none reaches MIN_SPEEDUP."""
+        times = self.step_times(n)
+        best = (0, 1.0)
+        for nodes in self.prior:
+            if (speedup := self.speedup(times, nodes, greedy)) >= MIN_SPEEDUP and speedup > best[1]:
+                best = (nodes, speedup)
+        return best
+
+    def speedup(self, times: dict[tuple[bool, int], float], nodes: int, greedy: bool) -> float:
+        """Expected tokens/s of verifying the candidate over decoding plainly, by `times` (0: not timed)."""
+        plain, verify = times.get((greedy, 0), math.inf), times.get((greedy, nodes), math.inf)
+        if not math.isfinite(plain) or not math.isfinite(verify):  # not timed
+            return 0.0
+        return self.accept_length(nodes, greedy) * plain / verify
+
+    def accept_length(self, nodes: int, greedy: bool) -> float:
+        """Tokens a verify step of the candidate is expected to yield now: its prior scaled by what
+        the window's verify steps accepted against their trees' priors."""
+        prior = self.prior[nodes]
+        requests, accepted, expected = self.observed[greedy]
+        if prior is None:  # nothing measured with the heads: what the window saw, else try it
+            return 1 + accepted / requests if requests >= MIN_OBSERVED else math.inf
+        scale = accepted / expected if requests >= MIN_OBSERVED and expected > 0 else 1.0
+        return 1 + scale * (prior - 1)
+
+    def observe(self, nodes: int, greedy: bool, requests: int, accepted: int) -> None:
+        """A verify step of the `nodes` candidate in which `requests` requests accepted `accepted` drafts."""
+        if self.force is None:  # warmup's steps run a token of no text
+            self.window.append(entry := (self.steps, greedy, nodes, requests, accepted))
+            self._count(entry, 1)
+
+    def _count(self, entry: tuple, sign: int) -> None:
+        _, greedy, nodes, requests, accepted = entry
+        totals = self.observed[greedy]
+        totals[0] += sign * requests
+        totals[1] += sign * accepted
+        totals[2] += sign * requests * ((self.prior[nodes] or 1) - 1)
+
+    def table(self) -> tuple[ChosenTree, ...]:
+        """The choice now at each batch size warmup timed, greedy and sampled."""
+        rows = []
+        for n in sorted(self.step_ms):
+            for greedy in (True, False):
+                nodes, speedup = self.best(n, greedy)
+                rows.append(ChosenTree(batch=n, greedy=greedy, nodes=nodes, speedup=speedup,
+                                       accept_length=self.accept_length(nodes, greedy) if nodes else 1.0))
+        return tuple(rows)
 
     @contextmanager
-    def forcing(self, verify: bool):
-        """Every step verifies (True) or decodes plainly (False) inside the block: warmup's compiling and timing."""
-        self.force = verify
+    def forcing(self, nodes: int):
+        """Every step verifies the `nodes` candidate (0: decodes plainly) inside the block: warmup's compiling and timing."""
+        self.force = nodes
         try:
             yield
         finally:
             self.force = None
 
-    def step_times(self, n: int) -> tuple[float, ...]:
-        """(plain, greedy verify, sampled verify) ms of a step of n requests: linear between the
-        sizes timed, the nearest one's outside them."""
+    def step_times(self, n: int) -> dict[tuple[bool, int], float]:
+        """ms of each kind of step at n requests: linear between the batch sizes timed, the
+        nearest one's outside them (a kind timed at only one of the two: not known)."""
         sizes = sorted(self.step_ms)
         i = bisect.bisect_left(sizes, n)
         if i == 0 or i == len(sizes):
             return self.step_ms[sizes[min(i, len(sizes) - 1)]]
-        lo, hi = sizes[i - 1], sizes[i]
-        w = (n - lo) / (hi - lo)
-        return tuple((1 - w) * a + w * b for a, b in zip(self.step_ms[lo], self.step_ms[hi]))
+        lo, hi = self.step_ms[sizes[i - 1]], self.step_ms[sizes[i]]
+        w = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return {k: (1 - w) * lo[k] + w * hi[k] for k in lo.keys() & hi.keys()}
 
 
 class CompiledTreeVerify(CompiledStep):
-    """A verify step with no prompt chunk: request count and committed width dynamic, the tree
-    fixed, so one graph serves every verify step. Returns the heads' input and the fp32 logits
-    of every tree row, and what the commit needs (the context's tree.saved) as outputs."""
+    """A verify step with no prompt chunk: request count, committed width and tree size dynamic
+    (the tree's buffers are inputs), so one graph serves every verify step. Returns the heads'
+    input and the fp32 logits of every tree row, and what the commit needs (the context's
+    tree.saved) as outputs: a batch with a sampled or logprobs request accepts eagerly."""
 
     what = "the tree-verify step"
     # A single request's tree is still T rows to every GEMM, so it is not padded to two (which
@@ -379,42 +486,56 @@ class CompiledTreeVerify(CompiledStep):
         self.model = model
 
     def step(self, tokens: torch.Tensor, ctx: StepContext):
-        hidden = self.model.model(tokens.flatten()[None], step=ctx)[0] / self.model.config.logit_divisor
-        return hidden, self.model.lm_head(hidden).float(), ctx.tree.saved
+        return *self.forward(tokens, ctx), ctx.tree.saved
 
     def __call__(self, tokens: torch.Tensor, ctx: StepContext):
+        return self.run(tokens, ctx, dynamic=self.dynamic(tokens, ctx))
+
+    def forward(self, tokens: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' input and fp32 logits of the tree rows (tokens [R, T])."""
+        hidden = self.model.model(tokens.flatten()[None], step=ctx)[0] / self.model.config.logit_divisor
+        return hidden, self.model.lm_head(hidden).float()
+
+    def dynamic(self, tokens: torch.Tensor, ctx: StepContext) -> list[tuple[torch.Tensor, int]]:
+        """The sizes of the forward's inputs that change from step to step, once the committed
+        width is padded to MIN_WIDTH (scratch-row columns, past every request's length)."""
         tree = ctx.tree
-        if tree.kv_rows.shape[1] < self.MIN_WIDTH:  # padding columns: the scratch row, past every request's length
+        if tree.kv_rows.shape[1] < self.MIN_WIDTH:
             extra = tree.kv_rows.new_full((tree.num_requests, self.MIN_WIDTH - tree.kv_rows.shape[1]), ctx.cache.scratch_row)
             tree.kv_rows = torch.cat([tree.kv_rows, extra], 1)
-        # (The context's positions and slot mapping are R * T long: derived sizes, not marked.)
-        return self.run(tokens, ctx, dynamic=rows_dynamic(tokens, tree.kv_rows, tree.kv_lens, tree.state_slots)
-                        + [(tree.kv_rows, 1)])
+        return (rows_dynamic(tokens, tree.kv_rows, tree.kv_lens, tree.state_slots)
+                + [(tree.kv_rows, 1), (tokens, 1), (ctx.positions, 0), (ctx.slot_mapping, 0), *tree_dynamic(tree)])
 
 
-class CompiledGreedyAccept(CompiledStep):
-    """What follows a greedy batch's tree-verify forward, as one graph: greedy acceptance (the
+class CompiledGreedyVerify(CompiledTreeVerify):
+    """A greedy batch's whole verify step as one graph: the forward, greedy acceptance (the
     longest path whose every token is its parent's argmax), then `MedusaDecoding.settle` with
-    the argmax at the last accepted node as the bonus token. Eagerly these are ~20 small ops
-    around the compiled forward, costing more than the forward itself on a small model. It is a
-    graph of its own: folded into the forward's graph, the pool writes after the forward's pool
-    reads made inductor copy whole pools (measured: 2.5x the step). Returns StepOutput.decided."""
+    the argmax at the last accepted node as the bonus token; it returns StepOutput.decided.
+    Eagerly the steps after the forward are ~20 small ops, costing more than the forward itself
+    on a small model; as a second graph they cost a second call's overhead and took every
+    layer's tree K/V as inputs (measured: 2.4 -> 1.6 ms a batch-1 step of a 4-node tree). The
+    commit is the graph's only pool write (sparse_step leaves tree rows out of the pool), which
+    inductor does in place: after a first write, it copied every pool whole (9x the step)."""
 
-    what = "the greedy Medusa acceptance and commit"
-    MIN_ROWS = 1
+    what = "the greedy tree-verify step"
 
     def __init__(self, medusa: MedusaDecoding):
-        super().__init__()
+        super().__init__(medusa.model)
         self.medusa = medusa
 
-    def step(self, hidden, logits, tokens, ctx: StepContext, room):
-        acc = medusa_accept.accept_greedy(self.medusa.tree, tokens, logits, room)
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        return self.medusa.settle(acc, ctx, tokens, hidden, logits[rows, acc.last_nodes()].argmax(-1))
+    def step(self, indices: TreeIndices, tokens: torch.Tensor, ctx: StepContext, room: torch.Tensor):
+        r, t = tokens.shape
+        hidden, logits = (x.view(r, t, -1) for x in self.forward(tokens, ctx))
+        acc = medusa_accept.accept_greedy(indices, tokens, logits, room)
+        rows = torch.arange(r, device=tokens.device)
+        return self.medusa.settle(indices, acc, ctx, tokens, hidden, logits[rows, acc.last_nodes()].argmax(-1))
 
-    def __call__(self, tokens: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, ctx: StepContext,
-                 room: torch.Tensor):
-        tree = ctx.tree
-        saved = [x for kept in tree.saved.values() for x in kept]
-        dynamic = rows_dynamic(hidden, logits, tokens, tree.kv_rows, tree.kv_lens, tree.state_slots, room, *saved)
-        return self.run(hidden, logits, tokens, ctx, room, dynamic=dynamic + [(tree.kv_rows, 1)])
+    def __call__(self, indices: TreeIndices, tokens: torch.Tensor, ctx: StepContext, room: torch.Tensor):
+        # Paths and their length in the retrieve indices.
+        sizes = [(indices.parents, 0), (indices.retrieve_indices, 0), (indices.retrieve_indices, 1)]
+        return self.run(indices, tokens, ctx, room, dynamic=self.dynamic(tokens, ctx) + rows_dynamic(room) + sizes)
+
+
+def tree_dynamic(tree: TreeStep) -> list[tuple[torch.Tensor, int]]:
+    """The tree's node count in its buffers: dynamic, so that one graph verifies trees of every size."""
+    return [(tree.depths, 0), (tree.ancestor_mask, 0), (tree.ancestor_mask, 1), (tree.parents, 0)]

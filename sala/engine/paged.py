@@ -31,8 +31,14 @@ def sparse_step(mixer, q, k, v, ctx):
     """A sparse mixer's step: the step's flat rows (q [1, Hq, N, D]) over the paged K/V pool
     (sala/kv/pages.py: each layer's pages in its own format)."""
     k_pages, v_pages = ctx.cache.k[mixer.layer_idx], ctx.cache.v[mixer.layer_idx]
-    k_pages.write(ctx.slot_mapping, k[0].transpose(0, 1))
-    v_pages.write(ctx.slot_mapping, v[0].transpose(0, 1))
+    # Draft trees' rows stay out of the pool (commit_tree writes the accepted paths'): written to
+    # the scratch row, they were a pool write before the commit's in the compiled greedy verify
+    # step, and for two writes inductor copied every pool whole (9x the step) instead of writing
+    # in place.
+    first = ctx.tree.num_rows if ctx.tree else 0
+    if not ctx.tree or ctx.prefills:
+        k_pages.write(ctx.slot_mapping[first:], k[0, :, first:].transpose(0, 1))
+        v_pages.write(ctx.slot_mapping[first:], v[0, :, first:].transpose(0, 1))
     compressed = mixer.layer_idx in ctx.cache.k1
     if compressed:
         compress_step(mixer, ctx, k_pages, q.dtype)

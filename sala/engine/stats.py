@@ -58,11 +58,23 @@ class PrefixStats:
 
 
 @dataclass(frozen=True)
+class ChosenTree:
+    """What a Medusa engine verifies now at one batch size timed at warmup, for greedy batches
+    or for batches with a sampled request."""
+
+    batch: int
+    greedy: bool
+    nodes: int  # tree nodes verified a request (0: plain decoding)
+    accept_length: float  # expected tokens a verify step of it yields now (1.0 for plain decoding)
+    speedup: float  # expected tokens/s over plain decoding (1.0 for plain decoding)
+
+
+@dataclass(frozen=True)
 class SpeculationStats:
     verify_steps: int
     draft_tokens: int  # tree nodes verified, the roots not counted
     accepted_tokens: int  # drafts kept, bonus tokens not counted
-    max_batch: int  # the largest decode batch that verifies now (medusa_max_batch)
+    trees: tuple[ChosenTree, ...]  # the choice per batch size now (empty until warmup times the steps)
 
     @property
     def accept_length(self) -> float:

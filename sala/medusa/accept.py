@@ -34,6 +34,14 @@ class Accepted:
         return self.paths.gather(1, (self.lengths - 1)[:, None])[:, 0]
 
 
+class TreeIndices(NamedTuple):
+    """What acceptance reads of a tree (MedusaTree has the same fields): a compiled verify step
+    takes these tensors as inputs, so that one graph serves trees of every size."""
+
+    parents: torch.Tensor
+    retrieve_indices: torch.Tensor
+
+
 class Settled(NamedTuple):
     """A verify step's outcome per request once its path is committed: [R, 2 + P] its accepted
     length, its path's tokens root first, its bonus token; [R, heads, topk] the heads' drafts at
@@ -66,7 +74,7 @@ def node_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor
     return ok, logp
 
 
-def greedy_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def greedy_acceptable(tree: MedusaTree | TreeIndices, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """ok [R, T]: each node's token is the argmax of its parent's logits (the root always is).
     The argmax is taken once per node, then gathered by parent: no [R, T, V] copy."""
     ok = tokens == logits.argmax(-1)[:, tree.parents.clamp(min=0)]
@@ -83,7 +91,7 @@ def accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params:
     return longest_path(tree, ok, logp, max_nodes)
 
 
-def accept_greedy(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
+def accept_greedy(tree: MedusaTree | TreeIndices, tokens: torch.Tensor, logits: torch.Tensor,
                   max_nodes: torch.Tensor | None = None) -> Accepted:
     """`accept` for a batch of greedy requests only, in tensor ops alone (no host sync, no
     per-request Python): what the compiled verify step runs. A greedy chain is unique (siblings
@@ -91,7 +99,7 @@ def accept_greedy(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
     return longest_path(tree, greedy_acceptable(tree, tokens, logits), None, max_nodes)
 
 
-def longest_path(tree: MedusaTree, ok: torch.Tensor, logp: torch.Tensor | None,
+def longest_path(tree: MedusaTree | TreeIndices, ok: torch.Tensor, logp: torch.Tensor | None,
                  max_nodes: torch.Tensor | None) -> Accepted:
     """The retrieve row with the longest acceptable prefix per request (ok [R, T]); ties broken
     by the summed log-probability `logp` [R, T] of the kept nodes (None: the first row)."""

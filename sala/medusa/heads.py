@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from sala.checkpoint import CheckpointError, atomic_directory, verify_manifest, write_manifest
-from sala.medusa.tree import MC_SIM_7B_63, MedusaTree, build_tree
+from sala.medusa.tree import MC_SIM_7B_63, MedusaTree, build_tree, independent_acceptance
 
 MEDUSA_DIR = "medusa"
 WEIGHTS = "heads.safetensors"
@@ -39,12 +39,18 @@ class MedusaConfig:
     topk: int = 10
     tree: list[list[int]] = field(default_factory=lambda: [list(p) for p in MC_SIM_7B_63])
     max_tree_nodes: int = 256
-    # accuracy [head][rank] measured on validation windows (train.evaluate), so a tree for
-    # another node budget can be grown from it (tree.greedy_tree); empty when not measured
-    rank_accuracy: list[list[float]] = field(default_factory=list)
+    # [[path, share], ...]: how often each path is right (a greedy verify would keep it), measured
+    # on the validation windows when the heads were trained (train.evaluate), likeliest first;
+    # what trees of every size are chosen by (tree.top_paths, tree.expected_accept_length). Empty
+    # when not measured.
+    path_acceptance: list[list] = field(default_factory=list)
 
     def build_tree(self) -> MedusaTree:
         return build_tree(self.tree, self.topk, self.num_heads, self.max_tree_nodes)
+
+    @property
+    def acceptance(self) -> dict[tuple[int, ...], float]:
+        return {tuple(p): float(share) for p, share in self.path_acceptance}
 
 
 class ResBlock(nn.Module):
@@ -118,6 +124,11 @@ def load_heads(path: str | Path, model_config, device="cpu", dtype: torch.dtype 
     verify_manifest(directory)
     try:
         raw = json.loads((directory / "config.json").read_text())
+        if "rank_accuracy" in raw:  # heads trained before path acceptance was measured: estimate it
+            rank_accuracy = raw.pop("rank_accuracy")
+            if rank_accuracy and not raw.get("path_acceptance"):
+                estimate = independent_acceptance(rank_accuracy, raw.get("tree", MC_SIM_7B_63))
+                raw["path_acceptance"] = [[list(p), a] for p, a in estimate.items()]
         config = MedusaConfig(**raw)
     except (json.JSONDecodeError, TypeError) as e:
         raise CheckpointError(f"{directory / 'config.json'}: not a Medusa config ({e})") from e

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from sala.eval.calibration import Row
 from sala.medusa.heads import MedusaHeads
+from sala.medusa.tree import by_acceptance
 
 
 @dataclass
@@ -200,28 +201,41 @@ def head_losses(heads: MedusaHeads, model, hidden: torch.Tensor, ids: torch.Tens
 
 @torch.no_grad()
 def evaluate(heads: MedusaHeads, model, data: Encoded, batch_size: int = 32) -> dict:
-    """Per-head loss, top-1 and top-5 accuracy and per-rank accuracy [K, topk] (for greedy_tree) on `data`."""
+    """Per-head loss, top-1 and top-5 accuracy, and path acceptance on `data`: for each path
+    (ranks of heads 0, 1, ...) the share of positions where a greedy verify would keep it, i.e.
+    where every head's token of that rank is the text's, counted at the positions every head has
+    a target at; likeliest first (what MedusaConfig.path_acceptance holds)."""
     k, topk = heads.config.num_heads, heads.config.topk
     sums = torch.zeros(3, k)
-    rank_hits = torch.zeros(k, topk)
     count = torch.zeros(k)
+    paths: Counter = Counter()
+    positions = 0
     for i in range(0, len(data), batch_size):
         ids, mask, hidden = data.ids[i : i + batch_size], data.mask[i : i + batch_size], data.hidden[i : i + batch_size]
         logits = heads(hidden, model.lm_head)
+        ranks = []  # [B, S - k - 1] per head: the rank of its target in its top-k (topk: not in it)
         for h in range(k):
             shift = h + 2
             valid = mask[:, shift:] & mask[:, :-shift]
             lg, tgt = logits[h, :, :-shift][valid], ids[:, shift:][valid]
             top = lg.topk(topk, dim=-1).indices == tgt[:, None]
-            n = tgt.numel()
             sums[0, h] += F.cross_entropy(lg, tgt, reduction="sum")
             sums[1, h] += top[:, 0].sum()
             sums[2, h] += top[:, :5].any(-1).sum()
-            rank_hits[h] += top.sum(0)
-            count[h] += n
+            count[h] += tgt.numel()
+            hit = logits[h, :, : ids.shape[1] - k - 1].topk(topk, dim=-1).indices == ids[:, shift : ids.shape[1] - k - 1 + shift, None]
+            ranks.append(torch.where(hit.any(-1), hit.int().argmax(-1), topk))
+        every = mask[:, : ids.shape[1] - k - 1] & mask[:, k + 1 :]  # every head's target is text
+        positions += int(every.sum())
+        for row in torch.stack(ranks, -1)[every].tolist():
+            for depth in range(k):
+                if row[depth] == topk:
+                    break
+                paths[tuple(row[: depth + 1])] += 1
     c = count.clamp(min=1)
+    acceptance = {p: n / max(positions, 1) for p, n in paths.items()}
     return {"loss": (sums[0] / c).tolist(), "top1": (sums[1] / c).tolist(), "top5": (sums[2] / c).tolist(),
-            "rank_accuracy": (rank_hits / c[:, None]).tolist()}
+            "path_acceptance": [[p, acceptance[tuple(p)]] for p in by_acceptance(acceptance, acceptance)]}
 
 
 # ------------------------------------------------------------------------------ training

@@ -118,44 +118,32 @@ def build_tree(choices, topk: int = 10, num_heads: int | None = None, max_nodes:
     return MedusaTree(tuple(paths), topk, parents, depths, mask, cand, retrieve)
 
 
-def path_acceptance(accuracy: torch.Tensor, path) -> float:
-    """How often a greedy verify keeps `path`, estimated from accuracy [heads, topk]: the product
-    of its ranks' accuracies (heads taken as independent, so an underestimate where they agree)."""
-    return math.prod(accuracy[d, r].item() for d, r in enumerate(path))
+def independent_acceptance(rank_accuracy, paths) -> dict[tuple[int, ...], float]:
+    """How often a greedy verify keeps each of `paths`, estimated from per-rank accuracy
+    [heads][topk] alone (heads taken as independent, so an underestimate where they agree): the
+    product of its ranks' accuracies. For heads whose config records only rank accuracy."""
+    return {tuple(p): math.prod(max(rank_accuracy[d][r], 0.0) for d, r in enumerate(p)) for p in paths}
 
 
-def expected_accept_length(accuracy: torch.Tensor, tree: MedusaTree) -> float:
-    """Tokens a verify step of `tree` yields on average, bonus included: 1 + the sum of every
-    path's acceptance (a path is kept when all of its ranks are right, and paths of one depth
-    exclude each other). On tiny-sala's heads: 1.83 for the 5-node tree (measured 1.97), 2.38
-    for the 63-node one (measured 2.73)."""
-    acc = accuracy.double().clamp(min=0)
-    return 1 + sum(path_acceptance(acc, p) for p in tree.choices)
+def expected_accept_length(acceptance: dict[tuple[int, ...], float], paths) -> float:
+    """Tokens a verify step of the tree `paths` yields on average, bonus included: 1 + the sum of
+    its paths' acceptance. Exact for prefix-closed trees: the paths a step keeps are the prefixes
+    of one chain (the model's own continuation), one per depth while it stays in the tree, so the
+    accepted length is 1 + the number of tree paths that are right."""
+    return 1 + sum(acceptance.get(tuple(p), 0.0) for p in paths)
 
 
-def greedy_tree(accuracy: torch.Tensor, num_nodes: int, max_children: int | None = None) -> list[list[int]]:
-    """Grow a tree of `num_nodes` paths from measured accuracy [heads, topk] (accuracy[h, r]: how
-    often head h's rank-r token is the right one), as Medusa's tree search does: a path's expected
-    acceptance is the product of its ranks' accuracies, and each step adds the best frontier path
-    (the next sibling rank of a taken path, or the first child of one). The product never grows
-    along a path; a frontier path's prefix is always taken already, so the tree stays prefix-closed."""
-    acc = accuracy.double().clamp(min=0)
-    heads, topk = acc.shape
-    max_children = topk if max_children is None else min(max_children, topk)
+def by_acceptance(paths, acceptance: dict[tuple[int, ...], float]) -> list[list[int]]:
+    """`paths` (a prefix-closed tree) most often right first: a path is right no more often than
+    its prefix and ties go to the shorter, so every prefix of the result is a prefix-closed tree,
+    and the one with the most expected accepted tokens of its size among those within `paths`.
+    Paths `acceptance` does not know come last, in BFS order."""
+    return [list(p) for p in sorted(map(tuple, paths), key=lambda p: (-acceptance.get(p, 0.0), len(p), p))]
+
+
+def top_paths(acceptance: dict[tuple[int, ...], float], num_nodes: int) -> list[list[int]]:
+    """The tree of `num_nodes` paths with the most expected accepted tokens (by_acceptance over
+    every path measured)."""
     if num_nodes < 1:
         raise InvalidTree(f"a tree needs at least one node, got a budget of {num_nodes}")
-
-    def score(p):
-        return path_acceptance(acc, p)
-
-    chosen: list[tuple[int, ...]] = []
-    frontier = {(0,)}
-    while len(chosen) < num_nodes and frontier:
-        best = max(frontier, key=lambda p: (score(p), [-i for i in p]))
-        frontier.remove(best)
-        chosen.append(best)
-        if best[-1] + 1 < max_children:
-            frontier.add(best[:-1] + (best[-1] + 1,))
-        if len(best) < heads:
-            frontier.add(best + (0,))
-    return [list(p) for p in chosen]
+    return by_acceptance(acceptance, acceptance)[:num_nodes]

@@ -46,10 +46,12 @@ def test_compiled_plain_decoding_has_one_graph():
 
 def test_medusa_chooses_its_step_by_the_policy_and_refuses_what_it_cannot_honour():
     p = build(medusa=True, medusa_max_batch=1, max_seqs=4)
-    medusa, tree = p.decoding, p.decoding.tree
+    medusa = p.decoding
+    assert list(medusa.verifies) == [6]  # heads with no measured acceptance: their own tree is the one candidate
+    tree = medusa.verifies[6].tree
     one, two = [request(4)], [request(4), request(4)]
     verify = medusa.for_step(one)
-    assert verify is medusa.verify and (verify.lookahead, verify.rows) == (tree.max_depth, tree.num_nodes) == (3, 7)
+    assert verify is medusa.verifies[6] and (verify.lookahead, verify.rows) == (tree.max_depth, tree.num_nodes) == (3, 7)
     assert medusa.for_step(two) is medusa.plain_step and medusa.for_step([]) is medusa.plain_step
     assert (medusa.plain_step.lookahead, medusa.plain_step.rows) == (0, 1) and isinstance(medusa.plain, PlainDecoding)
     with pytest.raises(InvalidParam, match="logit_bias is not supported with Medusa"):
@@ -61,14 +63,16 @@ def test_medusa_chooses_its_step_by_the_policy_and_refuses_what_it_cannot_honour
 
 def test_verify_emits_the_acceptable_path_then_the_bonus_and_commits_only_it():
     p = build(medusa=True, max_seqs=4)
-    medusa, tree, cache = p.decoding, p.decoding.tree, p.cache
+    medusa, cache = p.decoding, p.cache
+    verify = medusa.verifies[6]
+    tree = verify.tree
     reqs = [request(10), request(21, first=50)]
     for r in reqs:
         medusa.admit(r)
     prefill(p, reqs)
     assert all(r.drafts is not None for r in reqs)
     batch = p.scheduler.schedule()
-    assert batch.decoding is medusa.verify and batch.decodes == reqs and not batch.prefills
+    assert batch.decoding is verify and batch.decodes == reqs and not batch.prefills
     out = p.runner.run(batch)
     t, vocab = tree.num_nodes, p.model.config.vocab_size
     tokens = out.ids.view(2, t)
@@ -84,7 +88,7 @@ def test_verify_emits_the_acceptable_path_then_the_bonus_and_commits_only_it():
     before = {i: pages.data.clone() for i, pages in cache.k.items()}
     states = {i: s.clone() for i, s in cache.states.items()}
     computed = [r.num_computed for r in reqs]
-    gained = medusa.verify.emit(reqs, out, set())
+    gained = verify.emit(reqs, out, set())
     assert gained[0].tokens == tokens[0, path[1:]].tolist() + [bonus[0]] and gained[1].tokens == [bonus[1]]
     assert [r.num_computed - c for r, c in zip(reqs, computed)] == [len(path), 1]
     written = {cache.row(r, q) for r, c in zip(reqs, computed) for q in range(c, r.num_computed)}

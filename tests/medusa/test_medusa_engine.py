@@ -67,13 +67,7 @@ def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sal
     engine = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False, kv_plan=kv_plan, medusa=copy.deepcopy(heads))
     spec = engine.generate(prompts, params)
     same = sum(a.token_ids == b.token_ids for a, b in zip(plain, spec))
-    ties = 0
-    for a, b in zip(plain, spec):
-        if a.token_ids != b.token_ids:
-            j = next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
-            (_, first), (_, second) = a.logprobs[j].top
-            assert weights == "bf16" and first == second, f"diverged at token {j} without a tie: {a.logprobs[j].top}"
-            ties += 1
+    ties = diverged_at_ties(plain, spec, weights == "bf16")
     stats = engine.decoding.totals
     print(f"{weights} batch {batch} plan {plan}: {same}/{len(prompts)} identical ({ties} diverge at an exact BF16 tie), "
           f"accept length {stats.accept_length:.2f} over {stats.verify_steps} verify steps")
@@ -81,6 +75,37 @@ def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sal
     assert all(len(c.token_ids) == N_NEW for c in spec)
     assert stats.accept_length > 1.3  # drafts really were accepted, so the commit path was exercised
     assert sum(c.spec.verify_steps for c in spec) == stats.verify_steps
+
+
+def diverged_at_ties(plain, spec, ties_allowed: bool) -> int:
+    """How many greedy outputs diverge from plain greedy's (which carries top-2 logprobs); each
+    only where the plain decode had an exact tie, and only where ties may happen (BF16 logits)."""
+    ties = 0
+    for a, b in zip(plain, spec):
+        if a.token_ids != b.token_ids:
+            j = next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+            (_, first), (_, second) = a.logprobs[j].top
+            assert ties_allowed and first == second, f"diverged at token {j} without a tie: {a.logprobs[j].top}"
+            ties += 1
+    return ties
+
+
+def test_compiled_greedy_verify_under_a_mixed_plan_equals_greedy_without(base, heads, prompts, tiny_sala_dir):
+    """BF16 weights, FP8 / NVFP4 / BF16 K/V and BF16 lightning states, verify steps compiled
+    (one request a step and several): greedy output is plain greedy's (but at an exact BF16 tie)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
+    model, kv_plan = copy.deepcopy(base).to(torch.bfloat16), mixed_plan(base.config)
+    plain = Engine(copy.deepcopy(model), tok, max_seqs=2, compile=False, kv_plan=kv_plan).generate(
+        prompts[:7], SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=2))
+    engine = Engine(model, tok, max_seqs=2, kv_plan=kv_plan, medusa=copy.deepcopy(heads), medusa_nodes=8)
+    engine.warmup()
+    verify = engine.decoding.verifies[8].fast_verify
+    assert verify.compiled and not verify.failed
+    params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+    spec = engine.generate(prompts[:1], params) + engine.generate(prompts[1:7], params)
+    assert diverged_at_ties(plain, spec, True) <= 1 and engine.decoding.totals.accept_length > 1.3
 
 
 def test_verify_writes_no_pool_and_commit_writes_only_the_accepted_path(base, heads, prompts, tiny_sala_dir):
@@ -98,9 +123,9 @@ def test_verify_writes_no_pool_and_commit_writes_only_the_accepted_path(base, he
                                                                             ("states", cache.states))}
     sched = engine.scheduler.schedule()
     assert sched.decodes == reqs and not sched.prefills
-    assert sched.decoding is engine.decoding.verify
+    assert sched.decoding is engine.decoding.verifies[63]  # not timed: the whole tree
     out = engine.runner.run(sched)
-    assert out.decoded.shape[0] == 2 * engine.decoding.tree.num_nodes
+    assert out.decoded.shape[0] == 2 * 64
     for name, d in (("k", cache.k), ("v", cache.v), ("states", cache.states)):
         for i, t in tensors(d).items():  # the last page / slot is scratch: padding and tree rows may write there
             assert torch.equal(t[:-1], before[name][i][:-1]), f"verify wrote {name}[{i}]"
@@ -143,38 +168,54 @@ def test_sampling_with_typical_acceptance_is_seeded_and_mixes_with_greedy(base, 
     assert runs[0][1].token_ids == plain[0].token_ids  # the greedy request beside a sampled one stays lossless
 
 
-def test_compiled_verify_step_equals_eager_greedy(base, heads, prompts, tiny_sala_dir):
-    """On CPU a greedy batch's whole speculative step runs compiled (medusa_decoding.CompiledGreedyAccept:
-    verify, acceptance, commit and drafting in one graph for a single request's tree, one for
-    several); its output is plain greedy's, at one and two requests a step, and the graphs really ran."""
+def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, prompts, tiny_sala_dir):
+    """On CPU a greedy batch's whole speculative step runs compiled (CompiledGreedyVerify: the
+    forward, acceptance, commit and drafting), the same graphs for every candidate tree (the
+    tree's size is a dynamic dimension) and for one request a step or several; the
+    output is plain greedy's for each tree, and the graphs really ran. Warmup timed each kind of
+    step at batch 1 and 2 without counting it as traffic."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
     plain = Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False).generate(prompts[:6], params)
-    engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads), medusa_max_batch="auto")
+    engine = Engine(copy.deepcopy(base), tok, max_seqs=2, medusa=copy.deepcopy(heads))
+    medusa = engine.decoding
+    assert sorted(medusa.verifies) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63]
     engine.warmup()
-    fast = engine.decoding.verify.fast_greedy
+    fast = medusa.verifies[1].fast_greedy
+    assert all(v.fast_greedy is fast for v in medusa.verifies.values()), "one graph for every tree"
     assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
-    assert engine.decoding.plain.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
-    timed = engine.decoding.policy.step_ms  # batch -> (plain, greedy verify, sampled verify) ms, measured by warmup
-    print(engine.decoding.describe())
-    assert set(timed) == {1, 2} and all(len(ms) == 3 and all(0 < t < 1e3 for t in ms) for ms in timed.values())
-    assert engine.decoding.totals.verify_steps == 0 and engine.counts.generated_tokens == 0  # warmup's steps are not traffic
-    engine.decoding.policy.max_batch = None  # always verify, to check both verify graphs
+    assert medusa.plain.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
+    print(medusa.describe())
+    timed = medusa.choice.step_ms  # batch -> {(greedy, nodes): ms}, measured by warmup
+    assert set(timed) <= {1, 2} and 1 in timed and {(True, 0), (True, 1), (False, 0), (False, 1)} <= set(timed[1])
+    assert all(0 < ms < 1e3 for row in timed.values() for ms in row.values())
+    assert medusa.totals.verify_steps == 0 and engine.counts.generated_tokens == 0  # warmup's steps are not traffic
+    assert not medusa.choice.window
+    # What a replica's /metrics says of the choice.
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.metrics import EngineSeries
+
+    registry = CollectorRegistry()
+    registry.register(EngineSeries(engine.info(), engine.stats()))
+    samples = {(s.name, s.labels.get("batch"), s.labels.get("sampling")): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    trees = engine.stats().speculation.trees
+    assert {t.batch for t in trees} == set(timed)
+    for t in trees:
+        key = (str(t.batch), "greedy" if t.greedy else "sampled")
+        assert samples[("sala_spec_tree_nodes", *key)] == t.nodes == medusa.choice.best(t.batch, t.greedy)[0]
+        assert samples[("sala_spec_expected_speedup", *key)] == pytest.approx(t.speedup)
     calls = []
-    fast.fn = (lambda fn: lambda *a: calls.append(a[2].shape[0]) or fn(*a))(fast.fn)  # a[2]: the tree tokens [R, T]
-    single = engine.generate(prompts[:1], params)
-    pair = engine.generate(prompts[1:6], params)
-    assert [c.token_ids for c in single + pair] == [c.token_ids for c in plain]
-    assert {1, 2} <= set(calls) and engine.decoding.totals.accept_length > 1.3
-    # Verifying only single requests: two decoders take the compiled plain step (their drafts go stale), still lossless.
-    engine.decoding.policy.max_batch, calls[:] = 1, []
-    decoded = []
-    plain_step = engine.decoding.plain.fast_decode
-    plain_step.fn = (lambda fn: lambda *a: decoded.append(a[0].shape[0]) or fn(*a))(plain_step.fn)
-    assert [c.token_ids for c in engine.generate(prompts[1:6], params)] == [c.token_ids for c in plain[1:]]
-    assert decoded and set(calls) == {1}
+    fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)  # a[0]: parents [T]
+    for nodes in (1, 4, 63):
+        with medusa.choice.forcing(nodes):
+            out = engine.generate(prompts[:1], params) + engine.generate(prompts[1:6], params)
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain], f"the {nodes}-node tree"
+    assert set(calls) == {2, 5, 64} and medusa.totals.accept_length > 1.3
 
 
 def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, tiny_sala_dir):
@@ -182,6 +223,8 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     one verifies its tree; the requests keep their old drafts through plain steps, and greedy
     output is plain greedy's token for token."""
     from transformers import AutoTokenizer
+
+    from sala.engine.medusa_decoding import TreeVerify
 
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 8, 12, 24)]
@@ -192,55 +235,59 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
     out = engine.generate(prompts[:4], params)
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-    verifies = [s.decoding is engine.decoding.verify for s in steps]
+    verifies = [isinstance(s.decoding, TreeVerify) for s in steps]
     kinds = {(len(s.decodes), v) for s, v in zip(steps, verifies) if s.decodes}
     assert {(1, True), (2, False), (4, False)} <= kinds and all(spec == (n == 1) for n, spec in kinds), kinds
     assert engine.decoding.totals.verify_steps == sum(len(s.decodes) for s, v in zip(steps, verifies) if v)
     assert out[3].spec.verify_steps > 0 and out[0].spec.verify_steps == 0
-    # What a replica's /metrics reports of it.
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from serve.metrics import EngineSeries
-
-    registry = CollectorRegistry()
-    registry.register(EngineSeries(engine.info(), engine.stats()))
-    value = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
-    totals = engine.decoding.totals
-    assert value["sala_spec_max_batch"] == 1 and value["sala_spec_verify_steps_total"] == totals.verify_steps
-    assert value["sala_spec_accepted_tokens_total"] == totals.accepted_tokens
 
 
-def test_auto_speculation_verifies_where_accepted_tokens_pay_for_the_step():
-    """medusa_max_batch='auto' against the rule worked by hand: verify at n requests when
-    accept_length x plain(n) >= verify(n), times linear between the batch sizes timed."""
-    from sala.engine.config import parse_max_batch
-    from sala.engine.medusa_decoding import SpeculationPolicy, running_accept_length
-    from sala.engine.request import SpecStats
+def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_paying():
+    """TreeChoice against the rule worked by hand: at n requests the candidate with the largest
+    accept_length x plain(n) / verify(n, tree) if that is at least MIN_SPEEDUP, else plain; the
+    accept length its prior scaled by what the window's verify steps accepted against their
+    priors; observations age out after WINDOW_STEPS decode steps, and then it verifies again."""
+    from sala.engine.medusa_decoding import MIN_OBSERVED, WINDOW_STEPS, TreeChoice, candidate_sizes
 
-    stats = SpecStats()
-    policy = SpeculationPolicy("auto")
-    def length():  # the engine's: the measured mean once enough verify steps ran, the heads' prior before
-        return running_accept_length(stats, 1.8)
+    choice = TreeChoice(prior={1: 1.5, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
+    assert choice(64) == 16  # not timed yet: the whole tree
+    choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.0, (True, 16): 5.0, (False, 0): 2.0, (False, 1): 4.0},
+                      4: {(True, 0): 3.0, (True, 1): 4.0, (True, 4): 6.0, (True, 16): 12.0, (False, 0): 3.0}}
+    # n = 1: 1.5 x 2 / 2.5 = 1.2, 2.0 x 2 / 3 = 1.33, 2.4 x 2 / 5 = 0.96 -> 4 nodes. n = 4: 1.125, 1.0, 0.6 -> 1 node.
+    # n = 2 (a third of the way): plain 2.33, one node 3.0: 1.17; four 4.0: 1.17 (a tie keeps the smaller).
+    # Sampled, n = 1: 1.5 x 2 / 4 = 0.75; beyond it no verify time: plain.
+    assert [choice(n) for n in (1, 2, 4, 64)] == [4, 1, 1, 1] and choice(1, greedy=False) == 0
+    assert choice.best(1, True) == (4, pytest.approx(4 / 3))
+    # A text the heads do not know: greedy verifies of four nodes accept a quarter of what their prior says.
+    observed_at = choice.steps
+    for _ in range(MIN_OBSERVED):
+        choice.observe(4, True, requests=1, accepted=0 if _ % 4 else 1)
+    assert choice.accept_length(4, True) == pytest.approx(1.25) and choice.accept_length(16, True) == pytest.approx(1.35)
+    # n = 1: 1.125 x 2 / 2.5 = 0.9, 1.25 x 2 / 3 = 0.83: plain.
+    assert choice(1) == 0 and choice(4) == 0 and choice.accept_length(4, False) == 2.0  # sampled steps: their own window
+    while choice.steps < observed_at + WINDOW_STEPS - 1:
+        assert choice(1) == 0
+    assert choice(1) == 4  # the observations aged out: it tries again
+    assert candidate_sizes("auto", 63, True) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63]
+    assert candidate_sizes("auto", 63, False) == [63] and candidate_sizes(8, 63, True) == [8] and candidate_sizes(0, 63, True) == []
+    with pytest.raises(ValueError, match="medusa_nodes=64 but the heads' tree has 63 nodes"):
+        candidate_sizes(64, 63, True)
+    fixed = TreeChoice(prior={8: 2.0}, max_batch=2, fixed=True)
+    assert [fixed(n) for n in (1, 2, 3)] == [8, 8, 0]
 
-    assert policy(64, length())  # not timed yet: verify
-    policy.step_ms = {1: (2.0, 3.0, 4.0), 4: (3.0, 9.0, 12.0), 16: (6.0, 40.0, 50.0)}
-    # n = 2: plain 2 + 1/3, verify 3 + 2 = 5; 1.8 x 2.33 = 4.2 < 5. Sampled, n = 1: 3.6 < 4.
-    assert [policy(n, length()) for n in (1, 2, 4, 16, 64)] == [True, False, False, False, False]
-    assert not policy(1, length(), greedy=False)
-    stats.verify_steps, stats.accepted_tokens = 31, 62
-    assert length() == 1.8  # 31 steps: still the prior
-    stats.verify_steps, stats.accepted_tokens = 32, 64  # measured accept length 3.0 replaces the prior
-    # n = 2: 3 x 2.33 = 7 >= 5; n = 4: 9 >= 9; n = 5: plain 3.25, verify 11.6 > 9.75.
-    assert [policy(n, length()) for n in (2, 4, 5)] == [True, True, False] and policy.largest_batch(16, length()) == 4
-    # Sampled: n = 2: verify 4 + 8/3 = 6.67 <= 7; n = 3: plain 2.67, verify 9.33 > 8.
-    assert policy(2, length(), greedy=False) and not policy(3, length(), greedy=False)
-    assert policy.largest_batch(16, length(), greedy=False) == 2
-    assert SpeculationPolicy(2)(2, None) and not SpeculationPolicy(2)(3, None) and SpeculationPolicy(None)(10**6, None)
-    assert parse_max_batch("8") == 8 and parse_max_batch("auto") == "auto"
+
+def test_medusa_settings_parse_and_name_what_is_wrong():
+    from sala.engine.config import parse_max_batch, parse_nodes
+
+    assert parse_max_batch("8") == 8 and parse_max_batch(None) is None
+    assert parse_nodes("auto") == "auto" and parse_nodes("12") == 12 and parse_nodes(0) == 0
+    with pytest.raises(ValueError, match="medusa_max_batch='auto': Medusa now chooses from measured step costs"):
+        parse_max_batch("auto")
     for bad in (-1, "many", 1.5, True):
         with pytest.raises(ValueError, match="medusa_max_batch"):
             parse_max_batch(bad)
+        with pytest.raises(ValueError, match="medusa_nodes"):
+            parse_nodes(bad)
 
 
 def test_served_medusa_checkpoint_drift_scored_by_the_logprob_evaluation(medusa_checkpoint):

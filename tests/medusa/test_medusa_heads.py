@@ -58,3 +58,19 @@ def test_save_load_round_trip_and_mismatches(tmp_path):
         load_heads(tmp_path, model_config)
     with pytest.raises(CheckpointError, match="no Medusa heads"):
         load_heads(tmp_path / "elsewhere", model_config)
+
+
+def test_path_acceptance_round_trips_and_older_heads_get_an_estimate(tmp_path):
+    """Measured path acceptance is saved and loaded with the heads; heads saved when only per-rank
+    accuracy was measured load with each tree path's acceptance estimated from it (the product)."""
+    acceptance = [[[0], 0.5], [[0, 0], 0.25], [[1], 0.125]]
+    MedusaHeads(MedusaConfig(16, 50, tree=[[0], [1], [0, 0]], path_acceptance=acceptance), lm_head()).save(tmp_path / "new")
+    assert load_heads(tmp_path / "new", SimpleNamespace(hidden_size=16, vocab_size=50)).config.acceptance == {
+        (0,): 0.5, (0, 0): 0.25, (1,): 0.125}
+    MedusaHeads(MedusaConfig(16, 50, num_heads=2, topk=2, tree=[[0], [1], [0, 1]]), lm_head()).save(tmp_path / "old")
+    cfg = json.loads((tmp_path / "old/medusa/config.json").read_text())
+    del cfg["path_acceptance"]
+    (tmp_path / "old/medusa/config.json").write_text(json.dumps({**cfg, "rank_accuracy": [[0.6, 0.2], [0.5, 0.3]]}))
+    (tmp_path / "old/medusa/manifest.json").unlink()
+    old = load_heads(tmp_path / "old", SimpleNamespace(hidden_size=16, vocab_size=50)).config.acceptance
+    assert old == pytest.approx({(0,): 0.6, (1,): 0.2, (0, 1): 0.18})

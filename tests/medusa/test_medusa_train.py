@@ -48,6 +48,41 @@ def test_training_lowers_every_head_loss_and_raises_accept_length(setup, medusa_
     assert lengths[1] > lengths[0] + 0.3  # measured: ~1.1 -> ~2.0
 
 
+def test_path_acceptance_counts_the_ranks_every_head_got_right(setup, medusa_checkpoint):
+    """evaluate's path acceptance against a count written here position by position: at each
+    position every head has a target at, the path is the ranks of the heads' targets in their
+    top-k, head by head until one misses; a path's share is how many positions it is a prefix of.
+    The trees chosen from it are the paths most often right, so they are prefix-closed."""
+    from sala.medusa.tree import build_tree, expected_accept_length, top_paths
+
+    _, base, _, val, _ = setup
+    heads = load_heads(medusa_checkpoint, base.config)
+    data = train.Encoded(val.ids[:8], val.mask[:8], val.hidden[:8])
+    got = {tuple(p): a for p, a in train.evaluate(heads, base, data)["path_acceptance"]}
+    k, topk = heads.config.num_heads, heads.config.topk
+    counts, positions = {}, 0
+    with torch.no_grad():
+        logits = heads(data.hidden, base.lm_head)  # [K, B, S, V]
+    for b in range(data.ids.shape[0]):
+        for t in range(data.ids.shape[1] - k - 1):
+            if not all(data.mask[b, t + j] for j in range(k + 2)):
+                continue
+            positions += 1
+            path = ()
+            for h in range(k):
+                top = logits[h, b, t].topk(topk).indices.tolist()
+                target = int(data.ids[b, t + h + 2])
+                if target not in top:
+                    break
+                path += (top.index(target),)
+                counts[path] = counts.get(path, 0) + 1
+    assert positions > 100 and got.keys() == counts.keys()
+    assert all(got[p] == pytest.approx(n / positions) for p, n in counts.items())
+    tree = top_paths(got, 20)
+    build_tree(tree, topk=topk, num_heads=k)  # prefix-closed
+    assert expected_accept_length(got, tree) == pytest.approx(1 + sum(sorted(got.values(), reverse=True)[:20]))
+
+
 def test_resumed_training_equals_uninterrupted(setup, tmp_path):
     tok, base, _, val, _ = setup
     cfg = train.TrainConfig(steps=12, batch_size=4, lr=3e-3, warmup=3, checkpoint_every=6)

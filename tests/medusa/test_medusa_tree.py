@@ -1,9 +1,17 @@
 """Medusa tree buffers from index paths, checked against a definition written out node by node,
-plus the validation errors and the greedy builder."""
+plus the validation errors and the trees chosen by measured acceptance."""
 import pytest
 import torch
 
-from sala.medusa.tree import MC_SIM_7B_63, InvalidTree, build_tree, greedy_tree
+from sala.medusa.tree import (
+    MC_SIM_7B_63,
+    InvalidTree,
+    build_tree,
+    by_acceptance,
+    expected_accept_length,
+    independent_acceptance,
+    top_paths,
+)
 
 
 def test_mc_sim_7b_63_buffers():
@@ -41,13 +49,19 @@ def test_invalid_trees_name_the_problem(choices, kwargs, message):
         build_tree(choices, **kwargs)
 
 
-def test_greedy_tree_takes_the_best_paths_by_product_accuracy():
-    acc = torch.tensor([[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]])
-    paths = greedy_tree(acc, 6)
-    build_tree(paths, topk=3, num_heads=3)  # prefix-closed and within the heads
-    score = {tuple(p): torch.tensor([acc[d, r] for d, r in enumerate(p)]).prod().item() for p in paths}
-    # The 6 best prefix-closed paths by product: 0.6, 0.3, 0.2, 0.12 ([0,0,0]), 0.12 ([0,1]), 0.1 ([1,0]).
-    assert sorted(score.values(), reverse=True) == pytest.approx([0.6, 0.3, 0.2, 0.12, 0.12, 0.1])
-    assert [0] in paths and [0, 0] in paths and [1] in paths and [0, 0, 0] in paths
+def test_trees_by_acceptance_are_nested_prefix_closed_and_best_of_their_size():
+    acceptance = {(0,): 0.6, (1,): 0.2, (0, 0): 0.3, (0, 1): 0.12, (1, 0): 0.1, (0, 0, 0): 0.12, (2,): 0.05}
+    order = by_acceptance(list(acceptance), acceptance)
+    # Most often right first; a tie goes to the shorter path ([0, 1] before [0, 0, 0]), then the lower ranks.
+    assert order == [[0], [0, 0], [1], [0, 1], [0, 0, 0], [1, 0], [2]]
+    for n in range(1, len(order) + 1):
+        build_tree(order[:n], topk=3, num_heads=3)  # every prefix is a tree
+        assert top_paths(acceptance, n) == order[:n]
+    assert expected_accept_length(acceptance, order[:3]) == pytest.approx(2.1)
+    # A stored tree's paths the measurement does not know come last, in BFS order.
+    assert by_acceptance([[0], [3], [0, 2], [1]], acceptance) == [[0], [1], [3], [0, 2]]
+    # Heads that recorded only per-rank accuracy: each path's acceptance the product of its ranks'.
+    estimate = independent_acceptance([[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]], [[0], [0, 0], [1, 0], [0, 0, 0]])
+    assert estimate == pytest.approx({(0,): 0.6, (0, 0): 0.3, (1, 0): 0.1, (0, 0, 0): 0.12})
     with pytest.raises(InvalidTree, match="at least one node"):
-        greedy_tree(acc, 0)
+        top_paths(acceptance, 0)

@@ -200,3 +200,42 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_sto
         assert generate.main(argv + ["--model", str(tiny_sala_dir)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and expected in err and "\n" not in err, err
+
+
+@pytest.fixture(scope="module")
+def heads_checkpoint(tiny_sala_dir, tmp_path_factory):
+    """tiny-sala with untrained Medusa heads (their tree verifies, rarely accepts)."""
+    from sala.checkpoint import load_model
+    from sala.medusa.heads import MedusaConfig, MedusaHeads
+    from sala.medusa.train import write_medusa_checkpoint
+
+    base = load_model(tiny_sala_dir)
+    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, tree=[[0], [1], [0, 0]]))
+    return write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa")
+
+
+def test_medusa_generation_is_lossless_and_logs_each_actors_tree_choice(tiny_sala_dir, heads_checkpoint, tmp_path,
+                                                                        local_ray, mlflow_store, local_engine):
+    """A checkpoint with Medusa heads generates with what its engine actor chose at start-up (the
+    default, medusa_nodes='auto'; heads with no measured acceptance: their tree while it pays):
+    greedy rows equal plain greedy decoding, and the actor's choice (per batch size timed, the
+    tree, its expected accept length and speedup; the step times) is in the job's MLflow run."""
+    rows = prompts(tiny_sala_dir, 6)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert generate.main(["--dataset", str(data), "--output", str(out), "--model", str(heads_checkpoint),
+                              "--max-tokens", "12", "--no-compile", "--temperature", "0"]) == 0
+    expected = local_engine.generate(rows, SamplingParams(max_tokens=12, temperature=0))
+    assert list(pq.read_table(str(out)).to_pandas()["generated_text"]) == [c.text for c in expected]
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_store)
+    (run,) = mlflow.search_runs(experiment_names=["generate"], output_format="list")
+    (artifact,) = mlflow.artifacts.list_artifacts(run_id=run.info.run_id, artifact_path="medusa_trees")
+    choice = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/{artifact.path}")
+    assert choice["describe"].startswith("Medusa trees chosen from measured step costs") and "greedy_3" in choice["step_ms"]["1"]
+    assert {t["batch"] for t in choice["trees"]} == {int(n) for n in choice["step_ms"]} and 1 in {t["batch"] for t in choice["trees"]}
+    assert all(t["nodes"] == 0 or t["speedup"] >= 1.05 for t in choice["trees"])
+    assert run.data.params["medusa_nodes"] == "None"

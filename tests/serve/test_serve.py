@@ -777,30 +777,37 @@ def untrained_medusa_checkpoint(tiny_sala_dir, tmp_path):
     return write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path / "tiny-sala-medusa")
 
 
-def test_medusa_max_batch_refused_without_medusa_or_when_malformed(tiny_sala_dir, untrained_medusa_checkpoint, tmp_path,
-                                                                   capsys):
-    """--medusa-max-batch is refused in one line, before Ray starts, when it is not an integer
-    >= 0 or 'auto', and when the model is decoded without Medusa (a setting silently ignored)."""
+def test_medusa_settings_refused_without_medusa_or_when_malformed(tiny_sala_dir, untrained_medusa_checkpoint, tmp_path,
+                                                                  capsys):
+    """--medusa-nodes and --medusa-max-batch are refused in one line, before Ray starts, when
+    malformed, and when the model is decoded without Medusa (a setting silently ignored)."""
     from pipelines.generate import main as generate_main
     from serve.app import main as serve_main
     from serve.app import parse_args
     from serve.build import MedusaOff, build_app
 
     assert parse_args(["--medusa-max-batch", "4"]).medusa_max_batch == 4
-    assert parse_args(["--medusa-max-batch", "auto"]).medusa_max_batch == "auto"
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(["--medusa-max-batch", "-1"])
-    assert exit_.value.code == 2 and "medusa_max_batch=-1: give an integer >= 0" in capsys.readouterr().err
-    assert serve_main(["--model", str(tiny_sala_dir), "--medusa-max-batch", "2"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --medusa-max-batch: ") and "served without Medusa" in err and len(err.splitlines()) == 1
+    assert parse_args(["--medusa-nodes", "8"]).medusa_nodes == 8 and parse_args([]).medusa_nodes is None
+    for flag, value, reason in (("--medusa-max-batch", "-1", "medusa_max_batch=-1: give an integer >= 0"),
+                                ("--medusa-max-batch", "auto", "medusa_max_batch='auto': Medusa now chooses"),
+                                ("--medusa-nodes", "many", "medusa_nodes='many': give 'auto'")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args([flag, value])
+        assert exit_.value.code == 2 and reason in capsys.readouterr().err
+    for flag in ("--medusa-max-batch", "--medusa-nodes"):
+        assert serve_main(["--model", str(tiny_sala_dir), flag, "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag[2:].replace('-', '_')}=2 but ") and "served without Medusa" in err
+        assert len(err.splitlines()) == 1
     with pytest.raises(MedusaOff):
-        build_app(str(untrained_medusa_checkpoint), medusa=False, medusa_max_batch="auto")
-    build_app(str(untrained_medusa_checkpoint), medusa_max_batch="auto")  # with heads: accepted
+        build_app(str(untrained_medusa_checkpoint), medusa=False, medusa_nodes=4)
+    build_app(str(untrained_medusa_checkpoint), medusa_max_batch=4, medusa_nodes="auto")  # with heads: accepted
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "hi"}\n')
-    for value, reason in (("2", "decoded without Medusa"), ("lots", "give an integer >= 0")):
+    for flag, value, reason in (("--medusa-max-batch", "2", "--medusa-max-batch: "),
+                                ("--medusa-nodes", "2", "--medusa-nodes: "),
+                                ("--medusa-max-batch", "lots", "medusa_max_batch='lots': give an integer >= 0")):
         rc = generate_main(["--dataset", str(data), "--output", str(tmp_path / "out"), "--model", str(tiny_sala_dir),
-                            "--medusa-max-batch", value])
+                            flag, value])
         err = capsys.readouterr().err
-        assert rc == 2 and err.startswith("error: --medusa-max-batch: ") and reason in err, err
+        assert rc == 2 and err.startswith("error: ") and reason in err and len(err.splitlines()) == 1, err
