@@ -206,8 +206,10 @@ class PrefixCache:
                     self._snapshot_tail(r, pos, pool)
 
     def _register(self, r: Request, pool: PagePool) -> None:
+        # Pages whose tokens are all known: a verify step computes tokens the engine appends only
+        # after this (Engine.postprocess); their page is entered at the next step.
         ps, chain = self.page_size, r.prefix_chain
-        while len(chain) < r.num_computed // ps:
+        while len(chain) < min(r.num_computed, r.num_tokens) // ps:
             i = len(chain)
             parent = chain[-1] if chain else self.root
             tokens = tuple(r.token_slice(i * ps, (i + 1) * ps))

@@ -300,3 +300,24 @@ def test_served_medusa_checkpoint_drift_scored_by_the_logprob_evaluation(medusa_
     assert s["medusa_greedy_drift_identical_share"] == 1 and s["medusa_greedy_untied_departures"] == 0
     assert s["medusa_greedy_drift_flip_rate"] == 0 and s["medusa_greedy_drift_kl_mean"] < 1e-6
     assert s["medusa_typical_drift_identical_share"] < 1 and s["plain_sampled_drift_identical_share"] < 1
+
+
+def test_prefix_cache_keys_each_page_by_its_own_tokens_after_verify_steps(base, heads, prompts, tiny_sala_dir):
+    """A verify step computes several tokens at once, and the prefix cache takes in the pages it
+    filled before those tokens are appended (so that a request finishing can give its pages
+    back): a page is entered under its page_size tokens, once they are all known, never under a
+    shorter key (which no lookup matches, and eviction failed on)."""
+    from transformers import AutoTokenizer
+
+    engine = Engine(copy.deepcopy(base), AutoTokenizer.from_pretrained(tiny_sala_dir), max_seqs=2, compile=False,
+                    medusa=copy.deepcopy(heads))
+    out = engine.generate(prompts[:8], SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+    assert engine.decoding.totals.accept_length > 1.3
+    ps, pages = engine.cache.page_size, 0
+    stack = [engine.cache.prefix.root]
+    while stack:
+        node = stack.pop()
+        assert all(len(k) == ps for k in node.children) and all(len(k) < ps for k in node.tails)
+        pages += len(node.children)
+        stack += list(node.children.values()) + list(node.tails.values())
+    assert pages >= sum((len(p) + len(c.token_ids) - 1) // ps for p, c in zip(prompts[:8], out)) - 8  # pages were entered
