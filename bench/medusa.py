@@ -11,10 +11,10 @@ medusa_decoding.CompiledTreeVerify); both are warmed up before anything is timed
 Medusa engine's warmup times the steps its choice is made by (printed). Prompts: windows of
 the model's held-out text, which the heads never saw; ignore_eos, `batch` requests in flight
 (one that finishes is replaced at once, as in a server). Sampled: temperature 0.7, a seed a
-request. Each run of Medusa (the engine's choice, then each fixed tree, verified at
-every step) is timed right after a plain run of the same prompts, and its speedup is its
-tokens/s over that plain run's; the figure printed is the median over `--repeats` such pairs
-(this machine's speed drifts over minutes). Accept length counts the bonus token (plain
+request. Each run of Medusa (the engine's choice, or a fixed tree verified at every step) is
+timed right after a plain run of the same prompts, and its speedup is its tokens/s over that
+plain run's; the variants take turns within each of `--repeats` rounds, and the figure printed
+is the median over the rounds (this machine's speed drifts over minutes). Accept length counts the bonus token (plain
 decoding scores 1.00), as Spec-Bench; acceptance per depth is the share of verify steps that
 accepted a draft at that depth; "trees used" is the share of decode steps that verified each
 tree size (0: plain). Greedy outputs must equal plain greedy's (checked). `--uniform`: accept
@@ -25,6 +25,7 @@ Last line: JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -147,17 +148,16 @@ def main(argv=None) -> int:
         for mode in args.sampling:
             greedy = mode == "greedy"
             row = results.setdefault(str(b), {})[mode] = {}
-            for name, nodes in [("chosen", None)] + [(f"{n} nodes", n) for n in args.trees]:
-                runs = []
-                for _ in range(args.repeats):
+            variants = [("chosen", None)] + [(f"{n} nodes", n) for n in args.trees]
+            pairs = {name: [] for name, _ in variants}
+            for _ in range(args.repeats):  # the variants in turn within a repeat: drift spreads over all of them
+                for name, nodes in variants:
                     p = run_at_batch(plain, prompts, b, args.max_tokens, greedy)
-                    if nodes is None:
+                    with choice.forcing(nodes) if nodes else contextlib.nullcontext():
                         m = run_at_batch(medusa, prompts, b, args.max_tokens, greedy)
-                    else:
-                        with choice.forcing(nodes):
-                            m = run_at_batch(medusa, prompts, b, args.max_tokens, greedy)
                     lossless &= not greedy or p["outputs"] == m["outputs"]
-                    runs.append((p, m))
+                    pairs[name].append((p, m))
+            for name, runs in pairs.items():
                 speedups = [m["tokens_per_s"] / p["tokens_per_s"] for p, m in runs]
                 p, m = runs[speedups.index(median(speedups))]
                 r = row[name] = {"speedup": median(speedups), "speedup_runs": speedups,
