@@ -112,8 +112,7 @@ class EngineClient:
                 q.stream.cancel()
 
     def running(self) -> list[str]:
-        """Ids of the requests running now."""
-        return list(self.async_engine.streams)
+        return self.async_engine.running()
 
     def abort(self, request_id: str) -> bool:
         return self.async_engine.abort(request_id)

@@ -9,8 +9,8 @@ from sala.engine.memory import CacheFull
 from sala.engine.request import Completion, RequestOutput, SpecStats
 from sala.engine.scheduler import QueueFull
 from sala.engine.stats import EngineInfo, EngineStats
-from sala.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams, TokenLogprob
+from sala.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams, StructuredOutputs, TokenLogprob
 
 __all__ = ["AsyncEngine", "CacheFull", "CachePool", "Completion", "Engine", "EngineConfig", "EngineInfo", "EngineStats", "InvalidParam",
            "MAX_TOP_LOGPROBS", "QueueFull", "RequestOutput", "RequestStream", "SamplingParams", "SpecStats",
-           "SpeculationSettingError", "TokenLogprob", "parse_max_batch", "parse_nodes"]
+           "SpeculationSettingError", "StructuredOutputs", "TokenLogprob", "parse_max_batch", "parse_nodes"]

@@ -62,6 +62,20 @@ class AsyncEngine:
                     if stream := self.streams.get(r.request_id):
                         stream.push(e)
 
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint, if any, without blocking the event
+        loop or the step thread (a cached one returns at once): call before `submit`, which then
+        finds it compiled. Raises InvalidParam for a constraint that is invalid or too slow to compile."""
+        if params.structured_outputs is None:
+            return
+        params.validate(self.engine.model.config.vocab_size)
+        grammars = await asyncio.to_thread(lambda: self.engine.grammars)  # the first reads the whole vocabulary
+        future = asyncio.wrap_future(grammars.compiling(params.structured_outputs))
+        try:
+            await asyncio.wait_for(asyncio.shield(future), grammars.timeout_s)
+        except asyncio.TimeoutError:
+            raise grammars.too_slow(params.structured_outputs) from None
+
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Call from the event loop that will read the stream."""
         stream = RequestStream(self, asyncio.get_running_loop())
@@ -72,13 +86,18 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request by id, as SGLang's /abort_request: its stream still gets the final
-        "cancelled" output, so its client sees the request end. False if no such request runs."""
+        "cancelled" output, so its client sees the request end. False if no such request runs, or
+        it is already being cancelled (an abort takes effect at the start of the next step)."""
         stream = self.streams.get(request_id)
-        if stream is None or stream.finished:
+        if stream is None or stream.finished or stream.request.cancelled:
             return False
         self.engine.cancel(stream.request)
         self.wakeup.set()
         return True
+
+    def running(self) -> list[str]:
+        """Ids of the requests running now, less those already being cancelled."""
+        return [i for i, s in self.streams.items() if not (s.finished or s.request.cancelled)]
 
     def stats(self):
         """Await Engine.stats() taken between two steps."""

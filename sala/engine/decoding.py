@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from sala import sparse
+from sala import sparse, structured
 from sala.engine.config import EngineConfig
 from sala.engine.context import StepContext
 from sala.engine.graphs import CompiledDecode, CompiledStep, CudaGraphDecode
@@ -60,10 +60,11 @@ class StepOutput:
 
 
 def draw(reqs: list[Request], logits: torch.Tensor, eos_ids: set[int]) -> list[Emitted]:
-    """A token for each request from its row of logits, with its logprobs when asked for."""
+    """A token for each request from its row of logits (within its grammar, if it has one), with
+    its logprobs (of the raw logits) when asked for."""
     if not reqs:
         return []
-    tokens = sample(logits, reqs, eos_ids)
+    tokens = sample(structured.masked(logits, reqs), reqs, eos_ids)
     scored: dict[int, TokenLogprob] = {}
     if want := [i for i, r in enumerate(reqs) if r.params.logprobs is not None]:
         lps = token_logprobs(logits[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])

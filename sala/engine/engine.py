@@ -14,6 +14,7 @@ step and gains from it.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import random
 import time
@@ -37,6 +38,7 @@ from sala.engine.scheduler import Schedule, Scheduler
 from sala.engine.stats import EngineInfo, EngineStats, LayerBytes, PrefixStats
 from sala.kv import PLAN_FILE, load_plan
 from sala.sampling import InvalidParam, SamplingParams, TokenLogprob, token_logprobs
+from sala.structured import Grammars
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -171,6 +173,11 @@ class Engine:
         """How many leading tokens of `tokens` a request could take from the prefix cache now."""
         return self.cache.prefix.resumable_len(tokens) if self.cache.prefix else 0
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The structured-output constraints compiled for this engine's vocabulary (made on the first one)."""
+        return Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+
     def warmup(self) -> None:
         """Compile (CPU) or capture (CUDA) the decoding's steps now, not on the first request (and
         with medusa_nodes="auto" time them); servers and batch jobs call this at start-up.
@@ -226,6 +233,8 @@ class Engine:
                                              f"({plan.num_pages * plan.page_bytes / 2**20:.1f} MiB of K/V)")
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens, params.no_stop_trim)
         req = Request(ids, params, detokenizer, on_output)
+        if params.structured_outputs is not None:  # compiled here unless compiled before (AsyncEngine.prepare)
+            req.grammar = self.grammars.matcher(params.structured_outputs)
         self.decoding.admit(req)
         if request_id:
             req.request_id = request_id
@@ -277,13 +286,16 @@ class Engine:
         r, p = gained.request, gained.request.params
         for token, lp in zip(gained.tokens, gained.logprobs):
             r.output_ids.append(token)
+            if r.grammar is not None:
+                r.grammar.accept(token)
             self.counts.generated_tokens += 1
             r.first_token_at = r.first_token_at or time.perf_counter()
             if lp is not None:
                 r.logprobs.append(lp)
             reason = None
             # min_tokens: the sampler kept stop tokens out until then; stop strings count only from then on.
-            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            # A constrained request ends where its grammar does, at a stop token, whatever ignore_eos says.
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or (r.grammar and r.grammar.terminated):
                 reason, r.matched = "stop", token
                 if p.no_stop_trim:  # the stop token's text stays (when it is not a skipped special token)
                     r.detokenizer.append(token, check_stop=False)

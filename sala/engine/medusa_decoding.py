@@ -63,6 +63,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from sala import structured
 from sala.engine import paged
 from sala.engine.config import EngineConfig
 from sala.engine.context import StepContext, TreeStep
@@ -87,9 +88,9 @@ TIMED_STEPS = 7  # of each kind, taken in turn
 
 
 def greedy_batch(reqs: list[Request]) -> bool:
-    """Greedy requests without logprobs only: their verify needs nothing but argmaxes (on CPU the
-    compiled greedy verify step; a batch with any other request accepts eagerly)."""
-    return all(r.params.greedy and r.params.logprobs is None for r in reqs)
+    """Greedy requests without logprobs or a grammar only: their verify needs nothing but argmaxes
+    (on CPU the compiled greedy verify step; a batch with any other request accepts eagerly)."""
+    return all(r.params.greedy and r.params.logprobs is None and r.grammar is None for r in reqs)
 
 
 def candidate_sizes(setting: int | str, nodes: int, measured: bool) -> list[int]:
@@ -296,6 +297,7 @@ class TreeVerify:
         # A compiled graph sizes every tree dimension dynamically, and a dimension of 1 would be
         # specialised on: a chain's single path is given twice (the first longest row wins anyway).
         self.indices = TreeIndices(tree.parents, retrieve if retrieve.shape[0] > 1 else retrieve.repeat(2, 1))
+        self.links = structured.tree_links(tree.parents.tolist())  # what a grammar walks the tree by
         self.fast_verify, self.fast_greedy = graphs or (None, None)
 
     def inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, StepContext]:
@@ -332,6 +334,22 @@ class TreeVerify:
         hidden, logits, ctx.tree.saved = out
         return StepOutput(ids, ctx, decoded=logits, decoded_hidden=hidden)
 
+    def _within_grammars(self, reqs: list[Request], tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, T, V] with each node's row masked by what the request's grammar allows after
+        the node's path (a copy; `logits` itself when no request has a grammar). Acceptance and the
+        bonus token read these: a drafted token the grammar forbids is never kept, and greedy
+        acceptance keeps exactly what constrained greedy decoding would choose."""
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not constrained:
+            return logits
+        t = self.tree.num_nodes
+        mask = structured.bitmask(len(reqs) * t, logits.shape[-1])
+        cpu_tokens = tokens.cpu()
+        for i in constrained:
+            structured.tree_masks(reqs[i].grammar, self.links, cpu_tokens[i], mask, i * t)
+        rows = [i * t + j for i in constrained for j in range(t)]
+        return structured.apply(logits.flatten(0, 1), mask, rows).view_as(logits)
+
     def _room(self, reqs: list[Request]) -> torch.Tensor:
         """[R] tokens each request may still generate: the most nodes its accepted path may keep."""
         return torch.tensor([r.params.max_tokens - len(r.output_ids) for r in reqs], device=self.cache.device)
@@ -347,9 +365,10 @@ class TreeVerify:
             (emitted, drafts), paths = out.decided, None
         else:
             logits = out.decoded.view(len(reqs), tree.num_nodes, -1)
-            acc = medusa_accept.accept(tree, tokens, logits, [r.params for r in reqs], self._room(reqs),
+            allowed = self._within_grammars(reqs, tokens, logits)
+            acc = medusa_accept.accept(tree, tokens, allowed, [r.params for r in reqs], self._room(reqs),
                                        medusa.config.typical_threshold, medusa.config.typical_alpha)
-            bonus = torch.tensor(sample(logits[torch.arange(len(reqs)), acc.last_nodes()], reqs, eos_ids),
+            bonus = torch.tensor(sample(allowed[torch.arange(len(reqs)), acc.last_nodes()], reqs, eos_ids),
                                  device=tokens.device)
             emitted, drafts = medusa.settle(tree, acc, out.context, tokens,
                                             out.decoded_hidden.view(len(reqs), tree.num_nodes, -1), bonus)

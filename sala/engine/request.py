@@ -5,12 +5,15 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from sala.engine.detokenizer import IncrementalDetokenizer
 from sala.sampling import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from sala.structured import Grammar
 
 _ids = itertools.count()
 
@@ -107,6 +110,7 @@ class Request:
     cancelled: bool = False
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    grammar: Grammar | None = None  # structured outputs: what the output may continue with (sala/structured.py)
     drafts: torch.Tensor | None = None  # Medusa: each head's top-k tokens [K, topk], the next tree's candidates
     spec: SpecStats | None = None
     # Evaluation mode, after a preemption: the generated tokens are recomputed by decode steps, one

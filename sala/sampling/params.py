@@ -10,8 +10,9 @@ step none of whose requests sets one pays nothing for them.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 MAX_TOP_LOGPROBS = 256
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar (or all choices) longer than this is refused
 
 
 class InvalidParam(ValueError):
@@ -27,6 +29,56 @@ class InvalidParam(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One constraint on a request's output, as vLLM's StructuredOutputsParams: exactly one of
+    json (a JSON schema, a dict or its JSON text), json_object (any JSON object), regex (the whole
+    output matches it), choice (the output is one of these strings) and grammar (EBNF, in the
+    GBNF dialect xgrammar reads). Frozen and hashable: the compiled grammar's cache key
+    (sala/structured.py), a schema kept as its canonical JSON text."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True, separators=(",", ":")))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set (validate() has checked there is one)."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    def validate(self) -> StructuredOutputs:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParam("structured_outputs", "give exactly one of json, json_object, regex, choice, grammar; "
+                                                     f"got {', '.join(given) or 'none'}")
+        kind = given[0]
+        if kind == "choice":
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidParam("structured_outputs", "choice must be a non-empty list of non-empty strings")
+        elif kind != "json_object" and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
+            raise InvalidParam("structured_outputs", f"{kind} must be a non-empty string")
+        if kind == "json":
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise InvalidParam("structured_outputs", f"json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidParam("structured_outputs", f"json must be a JSON schema (an object), got {type(schema).__name__}")
+        size = sum(map(len, self.choice)) if kind == "choice" else 0 if kind == "json_object" else len(getattr(self, kind))
+        if size > MAX_CONSTRAINT_CHARS:
+            raise InvalidParam("structured_outputs", f"the {kind} constraint has {size} characters; the limit is "
+                                                     f"{MAX_CONSTRAINT_CHARS}")
+        return self
 
 
 @dataclass
@@ -49,6 +101,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     no_stop_trim: bool = False  # keep the matched stop string (or stop token's text) at the end of the text
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, grammar or choice the output follows
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +146,13 @@ class SamplingParams:
                 raise InvalidParam("logit_bias", f"logit_bias key {token!r} is not a token id in [0, {vocab_size})")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidParam("logit_bias", f"logit_bias for token {token} must be in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise InvalidParam("structured_outputs", "structured_outputs must be a StructuredOutputs")
+            self.structured_outputs.validate()
+            if self.min_tokens:  # it could ban the only tokens the grammar allows (its end)
+                raise InvalidParam("min_tokens", "min_tokens cannot be combined with structured outputs: the "
+                                                 "constraint decides where the output ends")
         return self
 
 

@@ -408,6 +408,33 @@ def test_streaming_and_cancellation_free_the_cache(models, tokenizer, prompts):
         async_engine.close()
 
 
+def test_an_abort_counts_once(models, tokenizer, prompts):
+    """An abort takes effect at the start of the next step; until then the request is neither
+    running nor abortable again (SGLang's abort_all right after an abort by rid names only the rest)."""
+    engine = Engine(copy.deepcopy(models["fp32"]), tokenizer, compile=False)
+    async_engine = AsyncEngine(engine)
+
+    async def abort_both():
+        long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+        outputs = {rid: async_engine.submit(p, long, rid).outputs() for rid, p in zip("ab", prompts)}
+        for it in outputs.values():
+            await it.__anext__()  # both are generating
+        assert async_engine.abort("a") and not async_engine.abort("a")
+        assert async_engine.running() == ["b"]
+        assert async_engine.abort("b") and async_engine.running() == []
+        ends = {}
+        for rid, it in outputs.items():
+            async for out in it:
+                ends[rid] = out.finish_reason
+        return ends
+
+    try:
+        assert asyncio.run(abort_both()) == {"a": "cancelled", "b": "cancelled"}
+        assert not async_engine.abort("a")
+    finally:
+        async_engine.close()
+
+
 def test_bounded_queue_and_bad_parameters(model, tokenizer, prompts):
     engine = Engine(copy.deepcopy(model), tokenizer, max_waiting=2, compile=False)
     engine.add_request(prompts[0], greedy())

@@ -1,0 +1,198 @@
+"""Structured outputs: a request's constraint (StructuredOutputs, sala/sampling/params.py) as a
+grammar over the model's vocabulary, through xgrammar.
+
+- `Grammars` (one per engine) compiles each distinct constraint once, on a worker thread: never
+  on the step loop, so a request whose grammar compiles waits and the others keep stepping.
+  The cache is bounded (least recently used first out, failures cached too, so a bad schema
+  sent again is refused at once); a constraint that takes longer than `timeout_s` to compile is
+  refused (InvalidParam), and an invalid one is refused with xgrammar's reason.
+- `Grammar` is one request's matcher. The engine advances it with every token the request
+  keeps (Engine._append), once: preemption, recompute, chunked prefill and prefix reuse touch
+  the cache, never the output, so it needs nothing from them. Its stop tokens are the engine's.
+- `masked` applies the bitmasks of a step's constrained rows to a copy of its logits, before
+  the logits controls and sampling; `tree_masks` fills one per node of a Medusa draft tree, the
+  grammar's state after the node's path (xgrammar's traverse_draft_tree), so that a drafted
+  token the grammar forbids is never accepted.
+
+Reported logprobs stay those of the model's raw distribution, as for every other control
+(sala/sampling/sampler.py): the mask decides which token is chosen, not what it is reported to
+have cost.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from sala.sampling import InvalidParam, StructuredOutputs
+
+COMPILE_TIMEOUT_S = 10.0
+MAX_CACHED = 256  # compiled constraints kept
+# JSON-schema keywords a grammar cannot hold an output to (xgrammar accepts and ignores them, or
+# they are no context-free language): refused rather than honoured in appearance only.
+UNSUPPORTED_KEYWORDS = frozenset({"not", "allOf", "contains", "minContains", "maxContains", "if", "then", "else",
+                                  "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "uniqueItems",
+                                  "$dynamicRef", "$dynamicAnchor", "$recursiveRef"})
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
+SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames")
+
+
+def xgrammar():
+    import xgrammar as xgr  # imported on the first constrained request: it costs ~1 s
+
+    return xgr
+
+
+class Grammars:
+    """The engine's compiled constraints: `compiling(c)` is the future of c's compiled grammar,
+    `matcher(c)` a fresh Grammar for a request (waiting at most timeout_s for the compile)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: set[int], timeout_s: float = COMPILE_TIMEOUT_S,
+                 max_cached: int = MAX_CACHED):
+        xgr = xgrammar()
+        self.vocab_size, self.timeout_s, self.max_cached = vocab_size, timeout_s, max_cached
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)  # the cache is ours, bounded
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sala-grammar")
+        self.cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def compiling(self, c: StructuredOutputs) -> Future:
+        """The compile of c: cached, or started now on the worker thread."""
+        with self.lock:
+            if (future := self.cache.get(c)) is not None:
+                self.cache.move_to_end(c)
+                return future
+            future = self.cache[c] = self.pool.submit(self._compile, c)
+            while len(self.cache) > self.max_cached:
+                self.cache.popitem(last=False)
+            return future
+
+    def compiled(self, c: StructuredOutputs):
+        """c's compiled grammar; InvalidParam where it is invalid or slower than timeout_s to compile."""
+        try:
+            return self.compiling(c).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise self.too_slow(c) from None
+
+    def too_slow(self, c: StructuredOutputs) -> InvalidParam:
+        return InvalidParam("structured_outputs", f"the {c.kind} constraint did not compile within {self.timeout_s:g} s; "
+                                                  "simplify it")
+
+    def matcher(self, c: StructuredOutputs) -> Grammar:
+        return Grammar(xgrammar().GrammarMatcher(self.compiled(c)), self.vocab_size)
+
+    def _compile(self, c: StructuredOutputs):
+        if c.kind == "json":
+            unsupported_keyword(json.loads(c.json))
+        try:
+            if c.kind == "json":
+                return self.compiler.compile_json_schema(c.json, any_whitespace=False)
+            if c.kind == "json_object":  # any object: what strict mode would close, left open
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if c.kind == "regex":
+                return self.compiler.compile_regex(c.regex)
+            if c.kind == "choice":
+                alternatives = " | ".join(_gbnf_string(s) for s in c.choice)
+                return self.compiler.compile_grammar(f"root ::= {alternatives}")
+            return self.compiler.compile_grammar(c.grammar)
+        except Exception as e:  # xgrammar's parse and conversion errors: the reason, in one line
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__  # no C++ source line
+            raise InvalidParam("structured_outputs", f"invalid {c.kind} constraint: {reason}") from None
+
+
+def unsupported_keyword(schema, path: str = "#") -> None:
+    """InvalidParam naming the first keyword of UNSUPPORTED_KEYWORDS in the schema, and where."""
+    if not isinstance(schema, dict):
+        return
+    if bad := sorted(UNSUPPORTED_KEYWORDS & schema.keys()):
+        raise InvalidParam("structured_outputs", f"JSON-schema keyword {bad[0]!r} at {path} is not supported: a grammar "
+                                                 "cannot hold the output to it")
+    for key in SCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+            unsupported_keyword(sub, f"{path}/{key}/{name}")
+    for key in SCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or []) if isinstance(schema.get(key), list) else ():
+            unsupported_keyword(sub, f"{path}/{key}/{i}")
+    for key in SCHEMA_ONE:
+        unsupported_keyword(schema.get(key), f"{path}/{key}")
+
+
+def _gbnf_string(s: str) -> str:
+    """A GBNF string literal of s."""
+    escaped = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return f'"{escaped}"'
+
+
+class Grammar:
+    """One request's matcher: what may come next, advanced by each token it keeps."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):  # every chosen token was allowed by the mask
+            raise RuntimeError(f"token {token} was chosen but the request's grammar does not allow it")
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar has ended (a stop token accepted after a complete output)."""
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return xgrammar().allocate_token_bitmask(rows, vocab_size)
+
+
+def masked(logits: torch.Tensor, reqs: list) -> torch.Tensor:
+    """logits [n, V], one row per request -> the same with each constrained request's disallowed
+    tokens at -inf (a copy; `logits` itself when no request is constrained)."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return logits
+    mask = bitmask(len(reqs), logits.shape[-1])
+    for i in rows:
+        reqs[i].grammar.fill(mask, i)
+    return apply(logits, mask, rows)
+
+
+def apply(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of logits [n, V] with mask [n, W] applied to `rows`."""
+    out = logits.clone()
+    xgrammar().apply_token_bitmask_inplace(out, mask.to(out.device, non_blocking=True), indices=rows)
+    return out
+
+
+def tree_links(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree given by parent indices (topologically ordered, the root's -1) as first-child and
+    next-sibling indices (-1: none), the form xgrammar's traverse_draft_tree reads."""
+    first_child, next_sibling = [-1] * len(parents), [-1] * len(parents)
+    last_child: dict[int, int] = {}
+    for i, p in enumerate(parents):
+        if p < 0:
+            continue
+        if p in last_child:
+            next_sibling[last_child[p]] = i
+        else:
+            first_child[p] = i
+        last_child[p] = i
+    return torch.tensor(first_child, dtype=torch.int64), torch.tensor(next_sibling, dtype=torch.int64)
+
+
+def tree_masks(grammar: Grammar, links: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor, mask: torch.Tensor,
+               first_row: int) -> None:
+    """mask[first_row + i] = what may follow node i of a draft tree whose tokens are `tokens` [T]
+    (the root's already accepted), for every node the grammar allows; a node it forbids, and
+    what hangs below it, allows nothing."""
+    view = mask[first_row : first_row + len(tokens)]
+    view.zero_()
+    grammar.matcher.traverse_draft_tree(*links, tokens.to("cpu", torch.int64), view)
