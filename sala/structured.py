@@ -59,6 +59,14 @@ class Grammars:
         self.vocab_size, self.timeout_s, self.max_cached = vocab_size, timeout_s, max_cached
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)  # the cache is ours, bounded
+        # JSON has no raw control character anywhere (inside strings they are escaped, and our JSON
+        # grammars write no whitespace but spaces), yet xgrammar's strings with a length bound let
+        # them through: JSON constraints also mask every token holding one.
+        self.json_tokens = bitmask(1, vocab_size)[0]
+        self.json_tokens.fill_(0)
+        for i, piece in enumerate(self.info.decoded_vocab[:vocab_size]):
+            if not any(b < 0x20 for b in piece):
+                self.json_tokens[i // 32] |= _bit(i % 32)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="sala-grammar")
         self.cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
         self.lock = threading.Lock()
@@ -86,7 +94,7 @@ class Grammars:
                                                   "simplify it")
 
     def matcher(self, c: StructuredOutputs) -> Grammar:
-        return Grammar(xgrammar().GrammarMatcher(self.compiled(c)), self.vocab_size)
+        return Grammar(xgrammar().GrammarMatcher(self.compiled(c)), self.json_tokens if c.kind in ("json", "json_object") else None)
 
     def _compile(self, c: StructuredOutputs):
         if c.kind == "json":
@@ -130,11 +138,17 @@ def _gbnf_string(s: str) -> str:
     return f'"{escaped}"'
 
 
-class Grammar:
-    """One request's matcher: what may come next, advanced by each token it keeps."""
+def _bit(i: int) -> int:
+    """Bit i of an int32 bitmask word, as a signed value (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+
+class Grammar:
+    """One request's matcher: what may come next, advanced by each token it keeps; `allowed`
+    [W]: a bitmask ANDed into every one it fills (None: none)."""
+
+    def __init__(self, matcher, allowed: torch.Tensor | None):
+        self.matcher, self.allowed = matcher, allowed
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):  # every chosen token was allowed by the mask
@@ -147,6 +161,8 @@ class Grammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed is not None:
+            bitmask[row] &= self.allowed
 
 
 def bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -196,3 +212,5 @@ def tree_masks(grammar: Grammar, links: tuple[torch.Tensor, torch.Tensor], token
     view = mask[first_row : first_row + len(tokens)]
     view.zero_()
     grammar.matcher.traverse_draft_tree(*links, tokens.to("cpu", torch.int64), view)
+    if grammar.allowed is not None:
+        view &= grammar.allowed
