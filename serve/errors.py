@@ -70,13 +70,23 @@ PARAM_NAMES = {
 }
 
 
+def constraint_field(body: BaseModel) -> str | None:
+    """The field of `body` carrying the constraint the engine refused; None where making the
+    constraint is what failed (vLLM's own structured_outputs field: the error names it already)."""
+    try:
+        carried = body.constraint()
+    except ValueError:  # InvalidParam
+        return None
+    return carried and carried[0]
+
+
 def client_error(e: InvalidParam | ValidationError, endpoint: str, body: BaseModel | None) -> APIError:
     """The 400 / 422 a bad value or a bad schema in a request to `endpoint` is, naming the field
     as that endpoint's body spells it."""
     if isinstance(e, ValidationError):
         return schema_error(e)
-    if e.param == "structured_outputs" and (carried := body.constraint()) is not None:
-        return APIError(400, f"{carried[0]}: {e}", param=carried[0])
+    if e.param == "structured_outputs" and (carried := constraint_field(body)) is not None:
+        return APIError(400, f"{carried}: {e}", param=carried)
     param = PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)
     if endpoint == "generate" and param == "text" and body.text is None:  # no text: input_ids, or neither
         param = "input_ids"

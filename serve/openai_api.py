@@ -148,6 +148,7 @@ class OpenAIAPI:
         tool_call = body.tool_call()
         if tool_call == "auto":
             raise self.refuse_auto_tool_choice()
+        body.constraint()  # a bad one refused before the tools are rendered into the prompt
         top = body.top_k_logprobs()
         text = self.chat_text(body.messages, add_generation_prompt=True, tools=body.tools)
         requested, param = (body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None \

@@ -34,10 +34,39 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def schema_text(schema: dict) -> str:
+MAX_SCHEMA_DEPTH = 100  # JSON nesting a schema may have: its checks and xgrammar's conversion recurse through it
+
+
+def schema_text(schema: dict, param: str) -> str:
     """A JSON schema as the engine's constraint takes it: JSON text in the user's key order, which
-    is the order the output's properties come in (a dict would be canonicalised, keys sorted)."""
+    is the order the output's properties come in (a dict would be canonicalised, keys sorted).
+    InvalidParam(param) where it nests deeper than MAX_SCHEMA_DEPTH."""
+    shallow(schema, param)
     return json.dumps(integral(schema), ensure_ascii=False)
+
+
+def checked_schema_text(text: str, param: str) -> str:
+    """A schema given as JSON text, refused (InvalidParam(param)) where it nests deeper than
+    MAX_SCHEMA_DEPTH; text that is no JSON is left to the engine, which says so."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text
+    except RecursionError:  # deeper than the parser goes
+        raise InvalidParam(param, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+    shallow(schema, param)
+    return text
+
+
+def shallow(value, param: str) -> None:
+    """InvalidParam(param) where `value`'s lists and objects nest deeper than MAX_SCHEMA_DEPTH
+    (walked without recursion: the point is not to recurse that deep)."""
+    level = [value]
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
+        if not level:
+            return
+    raise InvalidParam(param, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
 def integral(value):
@@ -71,7 +100,8 @@ class VLLMStructuredOutputs(_Body):
     grammar: str | None = None  # EBNF (GBNF)
 
     def constraint(self) -> StructuredOutputs:
-        schema = schema_text(self.json_) if isinstance(self.json_, dict) else self.json_
+        schema = schema_text(self.json_, "structured_outputs") if isinstance(self.json_, dict) else \
+            None if self.json_ is None else checked_schema_text(self.json_, "structured_outputs")
         return StructuredOutputs(json=schema, json_object=bool(self.json_object), regex=self.regex, choice=self.choice,
                                  grammar=self.grammar)
 
@@ -85,7 +115,8 @@ class SGLangConstraints(_Body):
     ebnf: str | None = None
 
     def sglang_constraints(self, prefix: str = "") -> dict[str, StructuredOutputs | None]:
-        return {f"{prefix}json_schema": None if self.json_schema is None else StructuredOutputs(json=self.json_schema),
+        schema = None if self.json_schema is None else checked_schema_text(self.json_schema, f"{prefix}json_schema")
+        return {f"{prefix}json_schema": None if schema is None else StructuredOutputs(json=schema),
                 f"{prefix}regex": None if self.regex is None else StructuredOutputs(regex=self.regex),
                 f"{prefix}ebnf": None if self.ebnf is None else StructuredOutputs(grammar=self.ebnf)}
 
@@ -205,7 +236,7 @@ class ResponseFormat(_Body):
         if self.type == "text":
             return None
         return StructuredOutputs(json_object=True) if self.type == "json_object" else \
-            StructuredOutputs(json=schema_text(self.json_schema.schema_))
+            StructuredOutputs(json=schema_text(self.json_schema.schema_, "response_format"))
 
 
 class FunctionDefinition(_Body):
@@ -244,6 +275,7 @@ def tool_calls_schema(tools: list[Tool], parallel: bool) -> dict:
     defs: dict[str, dict] = {}
     calls = []
     for tool in tools:
+        shallow(tool.function.arguments_schema(), "tools")  # before local_ref recurses through it
         params = dict(tool.function.arguments_schema())
         for key in DEFINITIONS:
             for name, sub in (params.pop(key, None) or {}).items():
@@ -323,9 +355,10 @@ class ChatCompletionRequest(_OpenAISampling):
         if mode in (None, "auto"):  # "auto" is refused before (OpenAIAPI.chat), saying why for this model
             return None
         if mode == "required":
-            return StructuredOutputs(json=schema_text(tool_calls_schema(self.tools, self.parallel_tool_calls is not False)))
+            return StructuredOutputs(json=schema_text(tool_calls_schema(self.tools, self.parallel_tool_calls is not False),
+                                                      "tools"))
         function = next(t.function for t in self.tools if t.function.name == mode)
-        return StructuredOutputs(json=schema_text(function.arguments_schema()))
+        return StructuredOutputs(json=schema_text(function.arguments_schema(), "tools"))
 
     def constraints(self) -> dict[str, StructuredOutputs | None]:
         response_format = None if self.response_format is None else self.response_format.constraint()

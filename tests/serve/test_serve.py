@@ -398,6 +398,9 @@ def test_regex_choice_and_grammar_fields_of_every_dialect(client, http, local_en
 
 
 CHAT_X = {"messages": [{"role": "user", "content": "x"}]}
+DEEP = {"type": "array", "items": {}}  # nested past MAX_SCHEMA_DEPTH: refused before anything recurses through it
+for _ in range(60):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 BAD_CONSTRAINTS = [
     ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_schema", "json_schema": {
@@ -428,6 +431,10 @@ BAD_CONSTRAINTS = [
     ("/v1/chat/completions", {**CHAT_X, "tool_choice": "required", "tools": [TOOLS[0], TOOLS[0]]}, "tools", "distinct"),
     ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS, "tool_choice": "required", "regex": "a"}, "tools", "regex and tools"),
     ("/v1/chat/completions", {**CHAT_X, "functions": [{"name": "f"}]}, "functions", "use tools"),
+    ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
+     "response_format", "nests deeper"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "[" * 5000 + "]" * 5000}}, "sampling_params.json_schema",
+     "nests deeper"),
 ]
 
 
