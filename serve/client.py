@@ -49,21 +49,27 @@ class EngineClient:
             raise InvalidParam(param, f"{param}={requested} exceeds this server's limit of {self.max_tokens_limit}")
         return requested
 
-    def submit(self, prompts: list[str | list[int]], n: int, params_for: Callable[[list[int]], SamplingParams],
-               rids: list[str] | None = None, on_prompt: Callable[[list[int]], None] | None = None) -> list[Queued]:
+    async def submit(self, prompts: list[str | list[int]], n: int, params_for: Callable[[list[int]], SamplingParams],
+                     rids: list[str] | None = None, on_prompt: Callable[[list[int]], None] | None = None) -> list[Queued]:
         """Queue n requests per prompt (seeded choices get seed + j); all or none. With rids (one per
         prompt), choice j of prompt i has request id rids[i] (n = 1) or f"{rids[i]}-{j}". on_prompt
-        gets the first prompt's token ids once its choices are queued."""
+        gets the first prompt's token ids once its choices are queued. A structured-output
+        constraint is compiled first, off the event loop (AsyncEngine.prepare): a bad one is
+        refused before anything is queued."""
         if not 1 <= n <= MAX_N:
             raise InvalidParam("n", f"n must be between 1 and {MAX_N}, got {n}")
+        planned = []
+        for prompt in prompts:
+            ids = self.engine.encode(prompt)
+            planned.append((ids, params_for(ids)))
+        for _, params in planned:  # one compile per distinct constraint: the engine caches them
+            await self.async_engine.prepare(params)
         ids_of = [[rid if n == 1 else f"{rid}-{j}" for j in range(n)] for rid in rids] if rids else None
         if busy := [i for group in ids_of or [] for i in group if i in self.async_engine.streams]:
             raise InvalidParam("rid", f"rid {busy[0]!r} belongs to a request still running")
         queued: list[Queued] = []
         try:
-            for k, prompt in enumerate(prompts):
-                ids = self.engine.encode(prompt)
-                params = params_for(ids)
+            for k, (ids, params) in enumerate(planned):
                 for j in range(n):
                     seeded = replace(params, seed=params.seed + j) if params.seed is not None else params
                     queued.append(Queued(self.async_engine.submit(ids, seeded, ids_of[k][j] if ids_of else None), ids, seeded))

@@ -3,8 +3,10 @@
 Errors follow OpenAI: `{"error": {"message", "type", "param", "code"}}`. A body that is not
 JSON is a 400; one that does not match the schema (a missing or mistyped field) a 422; a
 field with an impossible value a 400; both name the field in `param`. No field is ignored:
-one this server does not know, or knows but cannot honour (response_format, tools), is a 400
-naming it, as OpenAI answers an unrecognized argument.
+one this server does not know, or knows but cannot honour (functions, function_call), is a 400
+naming it, as OpenAI answers an unrecognized argument. A structured-output constraint the
+engine refuses (InvalidParam("structured_outputs")) is named by the field that carried it:
+response_format, tools, regex, sampling_params.json_schema, ...
 
 This module imports no engine (only for type checking): the routing ingress (serve/router.py),
 which holds no model, answers its errors with it too.
@@ -68,11 +70,23 @@ PARAM_NAMES = {
 }
 
 
+def constraint_field(body: BaseModel) -> str | None:
+    """The field of `body` carrying the constraint the engine refused; None where making the
+    constraint is what failed (vLLM's own structured_outputs field: the error names it already)."""
+    try:
+        carried = body.constraint()
+    except ValueError:  # InvalidParam
+        return None
+    return carried and carried[0]
+
+
 def client_error(e: InvalidParam | ValidationError, endpoint: str, body: BaseModel | None) -> APIError:
     """The 400 / 422 a bad value or a bad schema in a request to `endpoint` is, naming the field
     as that endpoint's body spells it."""
     if isinstance(e, ValidationError):
         return schema_error(e)
+    if e.param == "structured_outputs" and (carried := constraint_field(body)) is not None:
+        return APIError(400, f"{carried}: {e}", param=carried)
     param = PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)
     if endpoint == "generate" and param == "text" and body.text is None:  # no text: input_ids, or neither
         param = "input_ids"

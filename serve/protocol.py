@@ -5,12 +5,13 @@ serve/errors.py holds how a refused one is answered.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sala.engine import InvalidParam, RequestOutput, SamplingParams, SpecStats, TokenLogprob
+from sala.engine import InvalidParam, RequestOutput, SamplingParams, SpecStats, StructuredOutputs, TokenLogprob
 from serve.token_bytes import TokenBytes
 
 
@@ -33,7 +34,94 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-class _OpenAISampling(_Body):
+MAX_SCHEMA_DEPTH = 100  # JSON nesting a schema may have: its checks and xgrammar's conversion recurse through it
+
+
+def schema_text(schema: dict, param: str) -> str:
+    """A JSON schema as the engine's constraint takes it: JSON text in the user's key order, which
+    is the order the output's properties come in (a dict would be canonicalised, keys sorted).
+    InvalidParam(param) where it nests deeper than MAX_SCHEMA_DEPTH."""
+    shallow(schema, param)
+    return json.dumps(integral(schema), ensure_ascii=False)
+
+
+def checked_schema_text(text: str, param: str) -> str:
+    """A schema given as JSON text, refused (InvalidParam(param)) where it nests deeper than
+    MAX_SCHEMA_DEPTH; text that is no JSON is left to the engine, which says so."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text
+    except RecursionError:  # deeper than the parser goes
+        raise InvalidParam(param, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+    shallow(schema, param)
+    return text
+
+
+def shallow(value, param: str) -> None:
+    """InvalidParam(param) where `value`'s lists and objects nest deeper than MAX_SCHEMA_DEPTH
+    (walked without recursion: the point is not to recurse that deep)."""
+    level = [value]
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
+        if not level:
+            return
+    raise InvalidParam(param, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+
+
+def integral(value):
+    """`value` with numbers of zero fraction as integers, as JSON Schema reads them (a maxLength of
+    12.0 is 12) and xgrammar does not: Ray Data's blocks turn a column's integers into floats
+    where some rows lack the field."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: integral(v) for k, v in value.items()}
+    return [integral(v) for v in value] if isinstance(value, list) else value
+
+
+def one_constraint(given: dict[str, StructuredOutputs | None]) -> tuple[str, StructuredOutputs] | None:
+    """(the field that carries it, the constraint) of a request, from each field that may carry
+    one; InvalidParam naming the second field where two do (an output follows one constraint)."""
+    carried = [(name, c) for name, c in given.items() if c is not None]
+    if len(carried) > 1:
+        (first, _), (second, _) = carried[:2]
+        raise InvalidParam(second, f"give one structured-output constraint per request: {first} and {second} are both given")
+    return carried[0] if carried else None
+
+
+class VLLMStructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of its fields."""
+
+    json_: str | dict | None = Field(None, alias="json")  # a JSON schema: an object, or its JSON text
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF)
+
+    def constraint(self) -> StructuredOutputs:
+        schema = schema_text(self.json_, "structured_outputs") if isinstance(self.json_, dict) else \
+            None if self.json_ is None else checked_schema_text(self.json_, "structured_outputs")
+        return StructuredOutputs(json=schema, json_object=bool(self.json_object), regex=self.regex, choice=self.choice,
+                                 grammar=self.grammar)
+
+
+class SGLangConstraints(_Body):
+    """SGLang's constraint fields (one a request), in /generate's sampling_params and as extra
+    fields of the OpenAI routes."""
+
+    json_schema: str | None = None  # a JSON schema as JSON text
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def sglang_constraints(self, prefix: str = "") -> dict[str, StructuredOutputs | None]:
+        schema = None if self.json_schema is None else checked_schema_text(self.json_schema, f"{prefix}json_schema")
+        return {f"{prefix}json_schema": None if schema is None else StructuredOutputs(json=schema),
+                f"{prefix}regex": None if self.regex is None else StructuredOutputs(regex=self.regex),
+                f"{prefix}ebnf": None if self.ebnf is None else StructuredOutputs(grammar=self.ebnf)}
+
+
+class _OpenAISampling(SGLangConstraints):
     model: str | None = None  # as in vLLM: omitted means the server's (first) model
     max_tokens: int | None = None
     temperature: float | None = None
@@ -57,12 +145,23 @@ class _OpenAISampling(_Body):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False  # vLLM's name ...
     no_stop_trim: bool | None = False  # ... and SGLang's, for keeping the matched stop in the text
+    structured_outputs: VLLMStructuredOutputs | None = None  # vLLM's; SGLang's json_schema, regex, ebnf come with SGLangConstraints
 
     @property
     def choices_per_prompt(self) -> int:
         return 1 if self.n is None else self.n
 
+    def constraints(self) -> dict[str, StructuredOutputs | None]:
+        """Each field that may carry the output's constraint -> the one it carries."""
+        vllm = None if self.structured_outputs is None else self.structured_outputs.constraint()
+        return {"structured_outputs": vllm, **self.sglang_constraints()}
+
+    def constraint(self) -> tuple[str, StructuredOutputs] | None:
+        """(the field that carries it, the constraint): errors about the constraint name that field."""
+        return one_constraint(self.constraints())
+
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        constraint = self.constraint()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -81,6 +180,7 @@ class _OpenAISampling(_Body):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             no_stop_trim=bool(self.include_stop_str_in_output or self.no_stop_trim),
+            structured_outputs=constraint and constraint[1],
         )
 
 
@@ -116,9 +216,100 @@ class ChatMessage(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-# Chat fields this server knows but cannot honour yet, with the values that ask for nothing.
-NOT_IMPLEMENTED = {"response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-                   "parallel_tool_calls": (False, True), "functions": ([],), "function_call": ("none",)}
+class JSONSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema. The output always follows the schema, strict or not
+    (as vLLM): strict only promises that."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputs | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise InvalidParam("response_format", 'response_format.json_schema goes with type "json_schema", and only with it')
+        if self.type == "text":
+            return None
+        return StructuredOutputs(json_object=True) if self.type == "json_object" else \
+            StructuredOutputs(json=schema_text(self.json_schema.schema_, "response_format"))
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; none: no arguments
+    strict: bool | None = None  # the arguments always follow `parameters` (as JSONSchemaFormat.strict)
+
+    def arguments_schema(self) -> dict:
+        return {"type": "object", "properties": {}} if self.parameters is None else self.parameters
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+# A JSON schema's definitions: a tool's are moved to the root of the "required" schema, where its
+# references ("#/$defs/...") then point.
+DEFINITIONS = ("$defs", "definitions")
+
+
+def tool_calls_schema(tools: list[Tool], parallel: bool) -> dict:
+    """The output of tool_choice "required", as vLLM constrains it: a JSON array of at least one
+    {"name", "parameters"} object, each one tool's name and arguments (at most one without
+    parallel tool calls)."""
+    defs: dict[str, dict] = {}
+    calls = []
+    for tool in tools:
+        shallow(tool.function.arguments_schema(), "tools")  # before local_ref recurses through it
+        params = dict(tool.function.arguments_schema())
+        for key in DEFINITIONS:
+            for name, sub in (params.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                    raise InvalidParam("tools", f"two tools define {key}/{name} differently; with tool_choice \"required\" "
+                                                "their definitions share one schema")
+        outside = local_ref(params)
+        if outside is not None:
+            raise InvalidParam("tools", f"tool {tool.function.name!r}: $ref {outside!r} cannot be resolved once its "
+                                        f"parameters are one branch of tool_choice \"required\"'s schema; refer to "
+                                        "#/$defs/... only")
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                                       "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
+    return schema | defs
+
+
+def local_ref(schema) -> str | None:
+    """The first $ref in schema that points elsewhere than its definitions (#/$defs/..., #/definitions/...)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and not ref.startswith(("#/$defs/", "#/definitions/")):
+            return ref
+        values = schema.values()
+    elif isinstance(schema, list):
+        values = schema
+    else:
+        return None
+    return next((r for v in values if (r := local_ref(v)) is not None), None)
+
+
+# Chat fields of OpenAI's that are deprecated, refused unless they ask for nothing.
+DEPRECATED = {"functions": ([], "tools"), "function_call": ("none", "tool_choice")}
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -126,19 +317,52 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # with tool_choice "required": false allows one call only
     functions: Any = None
     function_call: Any = None
 
-    def refuse_not_implemented(self) -> None:
-        for name, harmless in NOT_IMPLEMENTED.items():
+    def refuse_deprecated(self) -> None:
+        for name, (harmless, instead) in DEPRECATED.items():
             value = getattr(self, name)
-            if value is not None and value not in harmless:
-                what = "structured output (JSON mode, json_schema)" if name == "response_format" else "tool and function calling"
-                raise InvalidParam(name, f"{name} is not supported by this server: {what} is not implemented")
+            if value is not None and value != harmless:
+                raise InvalidParam(name, f"{name} is deprecated by OpenAI and not supported by this server: use {instead}")
+
+    def tool_call(self) -> str | None:
+        """What tool_choice asks of the output: None (text), "auto" (the model's choice: chat
+        refuses it), "required" (one or more calls of the tools) or the name of the one
+        function to call."""
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if not names:
+            if choice not in (None, "none"):
+                raise InvalidParam("tool_choice", "tool_choice needs tools: give the functions it may call in tools")
+            return None
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise InvalidParam("tools", f"two tools are named {twice[0]!r}: tool names must be distinct")
+        if choice in (None, "none", "auto", "required"):
+            return "auto" if choice is None else None if choice == "none" else choice
+        if choice.function.name not in names:
+            raise InvalidParam("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not one of "
+                                              f"the tools ({', '.join(map(repr, names))})")
+        return choice.function.name
+
+    def tool_constraint(self) -> StructuredOutputs | None:
+        """The output a tool call must be: the named function's arguments, or "required"'s array."""
+        mode = self.tool_call()
+        if mode in (None, "auto"):  # "auto" is refused before (OpenAIAPI.chat), saying why for this model
+            return None
+        if mode == "required":
+            return StructuredOutputs(json=schema_text(tool_calls_schema(self.tools, self.parallel_tool_calls is not False),
+                                                      "tools"))
+        function = next(t.function for t in self.tools if t.function.name == mode)
+        return StructuredOutputs(json=schema_text(function.arguments_schema(), "tools"))
+
+    def constraints(self) -> dict[str, StructuredOutputs | None]:
+        response_format = None if self.response_format is None else self.response_format.constraint()
+        return {"response_format": response_format, **super().constraints(), "tools": self.tool_constraint()}
 
     def top_k_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -176,7 +400,7 @@ class DetokenizeRequest(_Body):
     skip_special_tokens: bool = False  # as given: the text the ids stand for
 
 
-class GenerateSampling(_Body):
+class GenerateSampling(SGLangConstraints):
     """SGLang's sampling_params; unknown keys are an error (a typo must not silently fall back)."""
 
     max_new_tokens: int = 128
@@ -218,8 +442,13 @@ class GenerateRequest(_Body):
             raise InvalidParam("text" if self.text is not None else "input_ids", "prompt is empty")
         return out
 
+    def constraint(self) -> tuple[str, StructuredOutputs] | None:
+        """(the field that carries it, the constraint), as OpenAI's requests answer it."""
+        return one_constraint(self.sampling_params.sglang_constraints("sampling_params."))
+
     def sampling(self) -> SamplingParams:
         s = self.sampling_params
+        constraint = self.constraint()
         if not self.return_logprob and (self.top_logprobs_num or self.logprob_start_len >= 0):
             raise InvalidParam("return_logprob", "top_logprobs_num and logprob_start_len need return_logprob: true")
         return SamplingParams(
@@ -230,6 +459,7 @@ class GenerateRequest(_Body):
             prompt_logprobs_start=self.logprob_start_len if self.return_logprob and self.logprob_start_len >= 0 else None,
             min_tokens=s.min_new_tokens, min_p=s.min_p, no_stop_trim=s.no_stop_trim, repetition_penalty=s.repetition_penalty,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logit_bias=logit_bias_ids(s.logit_bias),
+            structured_outputs=constraint and constraint[1],
         )
 
     def rids(self, num_prompts: int) -> list[str] | None:

@@ -57,12 +57,25 @@ def served_names(served_model_name: str | list[str] | None) -> list[str]:
     return names
 
 
+def as_json(value):
+    """`value` with numpy arrays and scalars as the lists and numbers JSON has: Ray Data's
+    columnar blocks hand a row's nested lists (a schema's "required", chat messages) over as
+    numpy arrays, which a JSON schema's text cannot be made of."""
+    if isinstance(value, dict):
+        return {k: as_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    if type(value).__module__ == "numpy":
+        return as_json(value.tolist())
+    return value
+
+
 def request_of(model: type[BaseModel], request) -> BaseModel:
     """A handle caller's request as `model`: an instance of it, or a dict of its fields."""
     if isinstance(request, model):
         return request
     if isinstance(request, dict):
-        return parse(model, {k: v for k, v in request.items() if k not in RAY_DATA_KEYS})
+        return parse(model, {k: as_json(v) for k, v in request.items() if k not in RAY_DATA_KEYS})
     raise TypeError(f"expected a {model.__name__} or a dict of its fields, got {type(request).__name__}")
 
 

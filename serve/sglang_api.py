@@ -39,7 +39,7 @@ class SGLangAPI:
         limit = self.client.max_tokens_limit
         if params.max_tokens > limit:
             raise InvalidParam("max_tokens", f"max_new_tokens={params.max_tokens} exceeds this server's limit of {limit}")
-        queued = self.client.submit(prompts, body.sampling_params.n, lambda ids: params, body.rids(len(prompts)), on_prompt)
+        queued = await self.client.submit(prompts, body.sampling_params.n, lambda ids: params, body.rids(len(prompts)), on_prompt)
         choices = self.client.choices(queued)
         single = len(queued) == 1
 

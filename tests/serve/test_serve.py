@@ -14,9 +14,12 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -214,10 +217,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, {}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, {}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "best_of": 0}, {}, 400, "best_of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     {}, 400, "response_format"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {}, 400,
-     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {}, 422,
+     "tools.0.function"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, {}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, {}, 400, "messages.0.name"),
     ("/abort_request", {}, {}, 400, "rid"),
@@ -262,6 +263,191 @@ def test_bad_requests_get_openai_style_errors(http, endpoint, body, headers, sta
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
+
+
+# ---------------------------------------------------------------- structured outputs and tool calls
+# Bounded strings and enums: greedy tiny-sala then ends its JSON well within max_tokens.
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["admin", "user"]}, "maxItems": 2}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER,
+                                           "strict": True}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK, "strict": True}}]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CODE = r"[a-z]{3}-[0-9]{2,4}"
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=120)
+    tags: list[Literal["admin", "user"]] = pydantic.Field(max_length=2)
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=16)
+    unit: Literal["c", "f"]
+
+
+def test_response_format_json_schema_validates_through_the_openai_client(client):
+    """OpenAI's response_format: a json_schema dict (greedy, and sampled n=3), the client's own
+    parse() of a pydantic model, and json_object; every output not cut by its length validates."""
+    messages = [{"role": "user", "content": "Describe a person."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, temperature=0, max_tokens=96)
+    assert greedy.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(greedy.choices[0].message.content), PERSON)
+    sampled = client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, temperature=1.0, n=3,
+                                             seed=3, max_tokens=96)
+    assert len(sampled.choices) == 3
+    for c in sampled.choices:
+        if c.finish_reason != "length":
+            jsonschema.validate(json.loads(c.message.content), PERSON)
+    parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Person, temperature=0,
+                                           max_tokens=96).choices[0].message.parsed
+    assert isinstance(parsed, Person)
+    any_object = client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"},
+                                                temperature=0, max_tokens=24).choices[0]
+    assert any_object.message.content.startswith("{")
+    if any_object.finish_reason != "length":
+        assert isinstance(json.loads(any_object.message.content), dict)
+
+
+def call_of(tool_call) -> tuple[str, str]:
+    return tool_call.function.name, tool_call.function.arguments
+
+
+def test_tool_calls_named_and_required_through_the_openai_client(client):
+    """A named function: the client's parse() reads the arguments into the tool's pydantic
+    model. "required" without parallel calls: one call of one of the tools, its arguments
+    valid for that tool. Both in OpenAI's shape: content null, finish_reason tool_calls."""
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    named = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[tool], temperature=0, max_tokens=96,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    assert named.finish_reason == "tool_calls" and named.message.content is None
+    (call,) = named.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    required = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, temperature=0, max_tokens=96).choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.content is None
+    (call,) = required.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+
+
+def test_streamed_tool_call_deltas_reassemble_through_the_openai_client(client):
+    """Streamed, the same calls as unstreamed: through the client's stream() helper (which
+    parses each call's arguments), and as raw deltas for parallel calls cut by max_tokens (the
+    calls whose objects are complete). A call's first delta carries its id, type, name and
+    arguments ""; its arguments follow."""
+    ask = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(**ask, parallel_tool_calls=False, max_tokens=96).choices[0].message
+    with client.chat.completions.stream(**ask, parallel_tool_calls=False, max_tokens=96) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [call_of(c) for c in final.message.tool_calls] == [call_of(c) for c in whole.tool_calls]
+    assert [(e.name, e.arguments) for e in done] == [call_of(c) for c in whole.tool_calls]
+    assert done[0].parsed_arguments == json.loads(whole.tool_calls[0].function.arguments)
+
+    whole = client.chat.completions.create(**ask, max_tokens=96).choices[0]
+    assert whole.finish_reason == "length" and len(whole.message.tool_calls) >= 2, whole
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**ask, max_tokens=96, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.index not in calls:
+                assert delta.id.startswith("call_") and delta.type == "function" and delta.function.arguments == ""
+                calls[delta.index] = {"name": delta.function.name, "arguments": ""}
+            else:
+                assert delta.id is None and delta.function.name is None
+                calls[delta.index]["arguments"] += delta.function.arguments
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [call_of(c) for c in whole.message.tool_calls]
+
+
+def test_regex_choice_and_grammar_fields_of_every_dialect(client, http, local_engine):
+    """vLLM's structured_outputs and SGLang's regex / ebnf / json_schema, on the OpenAI routes
+    and in /generate's sampling_params: regex outputs full-match, choices are in the set, a
+    schema's output validates. An unconstrained request running beside a constrained one is
+    unchanged (the mask is its row's alone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        coded = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, n=3, seed=1,
+                                          extra_body={"structured_outputs": {"regex": CODE}})
+        assert plain.result().choices[0].text == greedy_text(local_engine, PROMPT, 12).text
+    assert all(re.fullmatch(CODE, c.text) and c.finish_reason == "stop" for c in coded.choices), coded.choices
+    colours = ["red", "green", "blue"]
+    picked = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=1.0, n=3,
+                                       seed=2, extra_body={"structured_outputs": {"choice": colours}})
+    assert all(c.text in colours for c in picked.choices), picked.choices
+    yes_no = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                            extra_body={"ebnf": 'root ::= "yes" | "no"'}).choices[0]
+    assert yes_no.message.content in ("yes", "no") and yes_no.finish_reason == "stop"
+    r = http.post("/generate", json={"text": PROMPT, "sampling_params": {"regex": CODE, "max_new_tokens": 16,
+                                                                          "temperature": 0}}).json()
+    assert re.fullmatch(CODE, r["text"]) and r["meta_info"]["finish_reason"]["type"] == "stop", r
+    r = http.post("/generate", json={"text": PROMPT, "sampling_params": {"json_schema": json.dumps(WEATHER),
+                                                                          "max_new_tokens": 64, "temperature": 0}}).json()
+    jsonschema.validate(json.loads(r["text"]), WEATHER)
+
+
+CHAT_X = {"messages": [{"role": "user", "content": "x"}]}
+DEEP = {"type": "array", "items": {}}  # nested past MAX_SCHEMA_DEPTH: refused before anything recurses through it
+for _ in range(60):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+BAD_CONSTRAINTS = [
+    ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format", "nonsense"),
+    ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "not": {"type": "null"}}}}}, "response_format", "'not'"),
+    ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "response_format and structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "([a-z"}}, "structured_outputs", "invalid regex"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "exactly one"),
+    ("/v1/completions", {"prompt": "x", "ebnf": "root ::= "}, "ebnf", "invalid grammar"),
+    ("/v1/completions", {"prompt": "x", "json_schema": "{}", "regex": "a"}, "regex", "json_schema and regex"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "(", "max_new_tokens": 4}}, "sampling_params.regex",
+     "invalid regex"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "not json"}}, "sampling_params.json_schema", "not valid JSON"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}", "min_new_tokens": 2}},
+     "sampling_params.min_new_tokens", "structured outputs"),
+    ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS}, "tool_choice", "does not render tools"),
+    ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS, "tool_choice": "auto"}, "tool_choice", '"required"'),
+    ("/v1/chat/completions", {**CHAT_X, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "'nope'"),
+    ("/v1/chat/completions", {**CHAT_X, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]},
+     "tools", "nonsense"),
+    ("/v1/chat/completions", {**CHAT_X, "tool_choice": "required", "tools": [TOOLS[0], TOOLS[0]]}, "tools", "distinct"),
+    ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS, "tool_choice": "required", "regex": "a"}, "tools", "regex and tools"),
+    ("/v1/chat/completions", {**CHAT_X, "functions": [{"name": "f"}]}, "functions", "use tools"),
+    ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
+     "response_format", "nests deeper"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "[" * 5000 + "]" * 5000}}, "sampling_params.json_schema",
+     "nests deeper"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param,reason", BAD_CONSTRAINTS, ids=[f"{p}-{i}" for i, (_, _, p, _) in
+                                                                          enumerate(BAD_CONSTRAINTS)])
+def test_bad_constraints_are_400s_naming_the_field_before_anything_is_queued(http, server, endpoint, body, param, reason):
+    prompt_tokens = ("sala_prompt_tokens_total", ())
+    before = metric_samples(server)[prompt_tokens]
+    r = http.post(endpoint, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and reason in err["message"], err
+    assert metric_samples(server)[prompt_tokens] == before, "a refused request was queued"
 
 
 def test_full_queue_is_503_with_retry_after_and_leaves_nothing_behind(http, server):
