@@ -33,6 +33,8 @@ from sala.sampling import InvalidParam, StructuredOutputs
 
 COMPILE_TIMEOUT_S = 10.0
 MAX_CACHED = 256  # compiled constraints kept
+# Compiles at once: one past its time limit runs on (it cannot be stopped) without holding up the others.
+COMPILE_THREADS = 4
 # JSON-schema keywords a grammar cannot hold an output to (xgrammar accepts and ignores them, or
 # they are no context-free language): refused rather than honoured in appearance only.
 UNSUPPORTED_KEYWORDS = frozenset({"not", "allOf", "contains", "minContains", "maxContains", "if", "then", "else",
@@ -67,7 +69,7 @@ class Grammars:
         for i, piece in enumerate(self.info.decoded_vocab[:vocab_size]):
             if not any(b < 0x20 for b in piece):
                 self.json_tokens[i // 32] |= _bit(i % 32)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sala-grammar")
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="sala-grammar")
         self.cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -97,10 +99,9 @@ class Grammars:
         return Grammar(xgrammar().GrammarMatcher(self.compiled(c)), self.json_tokens if c.kind in ("json", "json_object") else None)
 
     def _compile(self, c: StructuredOutputs):
-        if c.kind == "json":
-            unsupported_keyword(json.loads(c.json))
         try:
             if c.kind == "json":
+                unsupported_keyword(json.loads(c.json))
                 return self.compiler.compile_json_schema(c.json, any_whitespace=False)
             if c.kind == "json_object":  # any object: what strict mode would close, left open
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
@@ -110,6 +111,10 @@ class Grammars:
                 alternatives = " | ".join(_gbnf_string(s) for s in c.choice)
                 return self.compiler.compile_grammar(f"root ::= {alternatives}")
             return self.compiler.compile_grammar(c.grammar)
+        except InvalidParam:
+            raise
+        except RecursionError:
+            raise InvalidParam("structured_outputs", f"the {c.kind} constraint is nested too deeply") from None
         except Exception as e:  # xgrammar's parse and conversion errors: the reason, in one line
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__  # no C++ source line
             raise InvalidParam("structured_outputs", f"invalid {c.kind} constraint: {reason}") from None

@@ -37,7 +37,8 @@ class StructuredOutputs:
     json (a JSON schema, a dict or its JSON text), json_object (any JSON object), regex (the whole
     output matches it), choice (the output is one of these strings) and grammar (EBNF, in the
     GBNF dialect xgrammar reads). Frozen and hashable: the compiled grammar's cache key
-    (sala/structured.py), a schema kept as its canonical JSON text."""
+    (sala/structured.py), a schema kept as its JSON text (its keys in their order: the output
+    writes an object's properties in the schema's order)."""
 
     json: str | dict | None = None
     json_object: bool = False
@@ -47,7 +48,7 @@ class StructuredOutputs:
 
     def __post_init__(self):
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True, separators=(",", ":")))
+            object.__setattr__(self, "json", json.dumps(self.json, separators=(",", ":")))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
 
@@ -72,6 +73,8 @@ class StructuredOutputs:
                 schema = json.loads(self.json)
             except ValueError as e:
                 raise InvalidParam("structured_outputs", f"json is not valid JSON: {e}") from None
+            except RecursionError:
+                raise InvalidParam("structured_outputs", "json is nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidParam("structured_outputs", f"json must be a JSON schema (an object), got {type(schema).__name__}")
         size = sum(map(len, self.choice)) if kind == "choice" else 0 if kind == "json_object" else len(getattr(self, kind))
