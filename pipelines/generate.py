@@ -13,9 +13,13 @@ Ray Data LLM's schema: generated_text, num_input_tokens, num_generated_tokens, f
 time_taken_llm, optional logprobs / top_logprobs, and __inference_error__, which is set (and
 the rest left empty) for a row that cannot be generated: a line that is not JSON (or holds a
 value of another type than the file's other lines), a missing or empty prompt, a prompt longer
-than the context. Such a row never fails the job; its token
+than the context, an invalid structured-output constraint. Such a row never fails the job; its token
 counts are null, and stay integers (pandas reads them as nullable Int64). Every input keeps its
 columns beside the generated ones: a jsonl file's fields are columns, typed from all its lines.
+
+Structured outputs: `--json-schema FILE`, `--regex` or `--choice` constrain every row's output;
+a row's `guided_decoding` column (Ray Data LLM's dict: one of json, json_object, regex, choice,
+grammar) replaces that for the row.
 
 The driver reads the dataset in chunks of `--batch-size` rows, each row tagged with its position,
 and writes each chunk's results as one part file once all its rows are back, beside the final
@@ -30,6 +34,7 @@ One MLflow run per invocation records the parameters and throughput.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -52,6 +57,9 @@ ROW = "__row__"  # a row's position in the dataset, carried through the engine s
 LEDGER = "_ledger.json"  # in the partial output: what the parts are of (readers skip files named _*)
 PROMPT_COLUMN = "prompt"  # the default --prompt-column, which the quantize job's next steps name too
 TOKEN_COUNTS = ("num_input_tokens", "num_generated_tokens")
+# A row's own structured-output constraint: Ray Data LLM's name for it (in a row's sampling_params
+# there; a column of its own here, since no other sampling parameter is read per row).
+GUIDED_DECODING = "guided_decoding"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -107,7 +115,7 @@ def jsonl_schema(path: str, chunk_lines: int = 4096):
             except ValueError:
                 continue  # an error row (parse_jsonl)
             if isinstance(rec, dict):
-                chunk.append(rec)
+                chunk.append(guided_decoding_as_text(rec))
             if len(chunk) == chunk_lines:
                 absorb(chunk)
                 chunk = []
@@ -161,6 +169,15 @@ def input_chunks(spec: str, kind: str, column: str, split: str | None, schema, s
         yield tagged(start, table)
 
 
+def guided_decoding_as_text(rec: dict) -> dict:
+    """A jsonl line's guided_decoding object as its JSON text: rows constrain their outputs to
+    different schemas, which Arrow would merge into one struct of every row's keys, filling each
+    row's missing ones with nulls (the stage reads the text back, row_constraint)."""
+    if isinstance(rec.get(GUIDED_DECODING), dict):
+        return rec | {GUIDED_DECODING: json.dumps(rec[GUIDED_DECODING])}
+    return rec
+
+
 def parse_jsonl(batch, column: str, schema):
     """One text line per row -> the line's fields as the columns of `schema` (jsonl_schema's), with
     an error, and null fields, unless it is a JSON object holding `column` with values of those types."""
@@ -175,6 +192,7 @@ def parse_jsonl(batch, column: str, schema):
         else:
             if isinstance(rec, dict):
                 error = None if column in rec else f"no '{column}' field"
+                rec = guided_decoding_as_text(rec)
             else:
                 rec, error = {}, "line is not a JSON object"
         records.append(rec)
@@ -219,13 +237,48 @@ def with_nullable_int_metadata(table, names: tuple[str, ...]):
     return table.replace_schema_metadata(meta)
 
 
+def without_nulls(value):
+    """value with every null-valued key of its objects dropped, at any depth."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
+def row_constraint(value):
+    """A row's guided_decoding value (a dict, or its JSON text) -> its StructuredOutputs; None
+    where the row has none. A key whose value is null is one the row did not give: a Parquet
+    struct column has every row's keys, nulls where a row has none (inside a `json` schema too, so
+    a schema that needs a null value goes as JSON text). InvalidParam for anything else."""
+    from sala.engine import InvalidParam, StructuredOutputs
+
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidParam(GUIDED_DECODING, f"{GUIDED_DECODING} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidParam(GUIDED_DECODING, f"{GUIDED_DECODING} must be an object, got {type(value).__name__}")
+    given = without_nulls(value)
+    known = [f.name for f in dataclasses.fields(StructuredOutputs)]
+    if unknown := [k for k in given if k not in known]:
+        raise InvalidParam(GUIDED_DECODING, f"{GUIDED_DECODING} has unknown key(s) {', '.join(map(repr, unknown))}; "
+                                            f"it takes one of {', '.join(known)}")
+    if not isinstance(given.get("json_object", False), bool):
+        raise InvalidParam(GUIDED_DECODING, "json_object must be true or false")
+    return StructuredOutputs(**given).validate()
+
+
 class GenerateStage:
     """One engine per actor (the model loads once); each call generates one batch of rows.
     Output columns have fixed Arrow types, so batches that are all errors still share a schema."""
 
     def __init__(self, model_path: str, column: str, chat: bool, sampling: dict, top_logprobs: int | None,
                  num_threads: int, num_gpus: float, batch_invariant: bool, engine_kwargs: dict,
-                 mlflow_run: tuple[str, str] | None = None):
+                 structured_outputs=None, mlflow_run: tuple[str, str] | None = None):
         import torch
 
         from sala.checkpoint import gpu_device
@@ -237,7 +290,8 @@ class GenerateStage:
         self.engine.warmup()
         if mlflow_run and (spec := self.engine.stats().speculation) and spec.trees:
             log_tree_choice(self.engine, *mlflow_run)
-        self.params = SamplingParams(**sampling, logprobs=top_logprobs)
+        # structured_outputs: the flags' constraint (a StructuredOutputs), every row's unless its own replaces it.
+        self.params = SamplingParams(**sampling, logprobs=top_logprobs, structured_outputs=structured_outputs)
         self.column, self.chat, self.top_logprobs = column, chat, top_logprobs
 
     def prompt(self, value) -> str:
@@ -248,32 +302,39 @@ class GenerateStage:
             raise ValueError(f"'{self.column}' must be a non-empty string")
         return value
 
+    def row_params(self, guided_decoding):
+        """The sampling parameters of a row whose guided_decoding column holds `guided_decoding`."""
+        constraint = row_constraint(guided_decoding)
+        return self.params if constraint is None else dataclasses.replace(self.params, structured_outputs=constraint)
+
     def __call__(self, batch):
         n = batch.num_rows
         errors = batch.column(ERROR).to_pylist() if ERROR in batch.column_names else [None] * n
         values = batch.column(self.column).to_pylist()
-        prompts = {}
+        guided = batch.column(GUIDED_DECODING).to_pylist() if GUIDED_DECODING in batch.column_names else [None] * n
+        requests = {}
         for i, value in enumerate(values):
             if errors[i] is None:
                 try:
-                    prompts[i] = self.prompt(value)
-                except (ValueError, TypeError, KeyError) as e:
+                    requests[i] = self.prompt(value), self.row_params(guided[i])
+                except (ValueError, TypeError, KeyError) as e:  # InvalidParam is a ValueError
                     errors[i] = f"{type(e).__name__}: {e}"
         done = {}
-        for rows in self._generate(prompts, errors):
+        for rows in self._generate(requests, errors):
             done |= rows
         return outputs(batch, done, errors, self.top_logprobs)
 
     def _generate(self, prompts: dict, errors: list) -> Iterator[dict]:
-        """Completions of `prompts` (row -> prompt) in one engine batch, rows refused set in
-        `errors`. A step that raises fails the batch's cache, not its rows: each is tried again
-        alone, and one that fails alone gets the error."""
+        """Completions of `prompts` (row -> (prompt, its sampling parameters)) in one engine
+        batch, rows refused set in `errors` (a constraint that does not compile among them). A
+        step that raises fails the batch's cache, not its rows: each is tried again alone, and
+        one that fails alone gets the error."""
         from sala.engine import InvalidParam
 
         requests = {}
-        for i, prompt in prompts.items():
+        for i, (prompt, params) in prompts.items():
             try:
-                requests[i] = self.engine.add_request(prompt, self.params)
+                requests[i] = self.engine.add_request(prompt, params)
             except (InvalidParam, ValueError, TypeError, KeyError) as e:
                 errors[i] = f"{type(e).__name__}: {e}"
         try:
@@ -294,7 +355,6 @@ def log_tree_choice(engine, tracking_uri: str, run_id: str) -> None:
     """This actor's Medusa choice (tree per batch size, its expected accept length and speedup, the
     step times warmup measured) into the job's MLflow run, one JSON per actor. A failure to
     report is a warning in the actor's log, not a failed job."""
-    import dataclasses
     import os
     import socket
 
@@ -428,6 +488,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-stop-trim", action="store_true", help="keep the matched stop string at the end of the text")
     ap.add_argument("--keep-special-tokens", action="store_true", help="leave special tokens in the generated text")
     ap.add_argument("--logprobs", type=int, help="store each token's logprob and this many alternatives (0-256)")
+    constrain = ap.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", metavar="FILE",
+                           help="every output is JSON valid against the JSON schema in FILE (a row's "
+                                f"'{GUIDED_DECODING}' column replaces the constraint for the row)")
+    constrain.add_argument("--regex", help="every output matches this regular expression, whole")
+    constrain.add_argument("--choice", nargs="+", metavar="TEXT", help="every output is one of these strings")
     ap.add_argument("--kv-plan", help="kv_plan.json for the cache (default: the checkpoint's own, if it has one)")
     ap.add_argument("--replicas", type=int, default=1, help="engine actors")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor")
@@ -455,6 +521,52 @@ def fail(message: str) -> int:
     return 2
 
 
+class ConstraintError(Exception):
+    """A bad --json-schema, --regex or --choice: the message names the flag."""
+
+
+def flag_constraint(args):
+    """The StructuredOutputs of --json-schema, --regex or --choice (None without one), checked
+    as far as it can be without the model; ConstraintError otherwise."""
+    from sala.engine import InvalidParam, StructuredOutputs
+
+    if args.json_schema is not None:
+        flag = "--json-schema"
+        try:
+            c = StructuredOutputs(json=Path(args.json_schema).expanduser().read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConstraintError(f"{flag}: cannot read {args.json_schema}: {e}") from None
+    elif args.regex is not None:
+        flag, c = "--regex", StructuredOutputs(regex=args.regex)
+    elif args.choice is not None:
+        flag, c = "--choice", StructuredOutputs(choice=args.choice)
+    else:
+        return None
+    try:
+        return c.validate()
+    except InvalidParam as e:
+        raise ConstraintError(f"{flag}: {e}") from None
+
+
+def compile_check(model_path: Path, c) -> None:
+    """Compile the flags' constraint for the model's vocabulary here, before Ray starts, so that a
+    schema or regex xgrammar refuses (or an unsupported keyword) is a command-line error, not an
+    error in every row; ConstraintError naming the flag."""
+    from transformers import AutoTokenizer
+
+    from sala.checkpoint import read_config
+    from sala.engine import InvalidParam
+    from sala.structured import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        # The stop tokens decide where an output may end, not whether the constraint compiles.
+        Grammars(tokenizer, read_config(model_path).vocab_size, {tokenizer.eos_token_id}).compiled(c)
+    except InvalidParam as e:
+        flag = {"json": "--json-schema", "regex": "--regex", "choice": "--choice"}[c.kind]
+        raise ConstraintError(f"{flag}: {e}") from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pipelines.raycluster import RayUnavailable, init_ray
@@ -475,8 +587,9 @@ def main(argv=None) -> int:
                     frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
                     no_stop_trim=args.no_stop_trim, skip_special_tokens=not args.keep_special_tokens)
     try:
+        constraint = flag_constraint(args)
         # The vocabulary is the model's, known in the actors (which check logit_bias ids row by row).
-        SamplingParams(**sampling, logprobs=args.logprobs).validate(vocab_size=sys.maxsize)
+        SamplingParams(**sampling, logprobs=args.logprobs, structured_outputs=constraint).validate(vocab_size=sys.maxsize)
         if not os.environ.get("RAY_ADDRESS"):  # a local Ray has this machine's GPUs or none; a cluster may add GPU nodes
             gpu_device(args.num_gpus)
         if output.exists() and not args.overwrite:
@@ -492,6 +605,8 @@ def main(argv=None) -> int:
         if column not in schema.names:
             raise DatasetError(f"column '{column}' not found in {dataset} (columns: {', '.join(schema.names) or 'none'})")
         model_path = resolve_model_path(args.model or str(ensure_tiny_sala()))
+        if constraint is not None:
+            compile_check(model_path, constraint)
         # Checked before Ray starts; the actors get the plan itself (a path may not exist on their node).
         kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, read_config(model_path)).to_json()
         for flag, parse in (("medusa_nodes", parse_nodes), ("medusa_max_batch", parse_max_batch)):
@@ -504,6 +619,8 @@ def main(argv=None) -> int:
         init_ray()
     except InvalidParam as e:
         return fail(f"--{e.param.replace('_', '-')}: {e}")
+    except ConstraintError as e:
+        return fail(str(e))
     except DeviceUnavailable as e:
         return fail(f"--num-gpus: {e}")
     except KVPlanError as e:
@@ -512,11 +629,11 @@ def main(argv=None) -> int:
         return fail(str(e))
     except (DatasetError, ModelSpecError, TrackingError, RayUnavailable) as e:
         return fail(str(e))
-    return run(args, dataset, kind, column, schema, rows, model_path, output, sampling, kv_plan)
+    return run(args, dataset, kind, column, schema, rows, model_path, output, sampling, kv_plan, constraint)
 
 
 def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_path: Path, output: Path, sampling: dict,
-        kv_plan: dict | None = None) -> int:
+        kv_plan: dict | None = None, constraint=None) -> int:
     import mlflow
     import pyarrow.parquet as pq
     from tqdm import tqdm
@@ -525,10 +642,13 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
               "rows": rows, "column": column, "replicas": args.replicas, "num_gpus": args.num_gpus,
               "batch_invariant": args.batch_invariant, "medusa": args.medusa,
               "medusa_nodes": args.medusa_nodes, "medusa_max_batch": args.medusa_max_batch, "batch_size": args.batch_size,
-              "output": str(output), "kv_plan": args.kv_plan, **sampling}
+              "output": str(output), "kv_plan": args.kv_plan, **sampling,
+              # The constraint's kind; the constraint itself is the run's artifact structured_outputs.json.
+              "structured_outputs": constraint.kind if constraint else None,
+              "guided_decoding_column": GUIDED_DECODING in schema.names}
     stage = dict(model_path=str(model_path), column=column, chat=bool(args.messages_column), sampling=sampling,
                  top_logprobs=args.logprobs, num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
-                 batch_invariant=args.batch_invariant,
+                 batch_invariant=args.batch_invariant, structured_outputs=constraint,
                  engine_kwargs={"max_batch_tokens": args.max_batch_tokens, "max_waiting": max(256, args.batch_size),
                                 "compile": args.compile,
                                 "medusa": args.medusa, "medusa_nodes": args.medusa_nodes,
@@ -545,6 +665,9 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
         print(f"resuming: {skipped} rows already written ({len(writer.written)} parts) are skipped", flush=True)
     with mlflow.start_run(run_name=f"generate-{Path(dataset).stem}") as mlflow_run:
         mlflow.log_params(params)
+        if constraint is not None:
+            value = json.loads(constraint.json) if constraint.kind == "json" else getattr(constraint, constraint.kind)
+            mlflow.log_dict({constraint.kind: value}, "structured_outputs.json")
         start = time.perf_counter()
         bar = tqdm(total=rows, initial=skipped, desc="rows written", unit="row", file=sys.stderr)
         chunks = input_chunks(dataset, kind, column, args.split, schema, size, skip=frozenset(writer.written))

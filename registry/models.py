@@ -70,7 +70,8 @@ def register_checkpoint(checkpoint: Path, name: str, tags: dict | None = None, d
 def pyfunc_signature():
     """What registry/sala_pyfunc.py takes: a column of prompt strings, and the sampling params it
     honours with their defaults (MLflow fills in those a request leaves out, and drops with a
-    warning any param a model's signature does not list)."""
+    warning any param a model's signature does not list). The structured-output constraint is
+    one of the last five; a schema goes as JSON text, as no param type holds any JSON object."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
@@ -79,7 +80,13 @@ def pyfunc_signature():
                                               ParamSpec("temperature", "double", 0.0),
                                               ParamSpec("top_p", "double", 1.0),
                                               ParamSpec("top_k", "long", 0),
-                                              ParamSpec("seed", "long", None)]))
+                                              ParamSpec("seed", "long", None),
+                                              ParamSpec("json_schema", "string", None),
+                                              ParamSpec("json_object", "boolean", False),
+                                              ParamSpec("regex", "string", None),
+                                              # A list param's default is a list: the empty one is no choice.
+                                              ParamSpec("choice", "string", [], shape=(-1,)),
+                                              ParamSpec("grammar", "string", None)]))
 
 
 def plan_tags(checkpoint: Path) -> dict[str, str]:

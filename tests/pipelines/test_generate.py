@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import logging
+import re
 import warnings
 
 import pandas as pd
@@ -162,6 +163,77 @@ def test_dataset_dict_feeds_calibration_and_batch_generation(tiny_sala_dir, tmp_
     assert row["generated_text"] == local_engine.generate(["The json module"], SamplingParams(max_tokens=3, temperature=0))[0].text
 
 
+# Fields a tiny-sala output fills within 48 tokens, at temperature 1.0 too: short strings, bounded numbers.
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
+          "required": ["name", "n", "ok"], "additionalProperties": False}
+
+
+def test_structured_outputs_from_flags_and_rows(tiny_sala_dir, tmp_path, local_ray, mlflow_store):
+    """--json-schema constrains every row, sampled at temperature 1.0: each output that did not
+    run out of tokens is JSON valid against the schema (and most did not); a row's
+    guided_decoding replaces the flag's constraint for that row; a row whose constraint is bad is
+    an error row and the others complete. The constraint's kind is in the MLflow run."""
+    import jsonschema
+
+    rows = [{"prompt": p} for p in prompts(tiny_sala_dir, 12)]
+    regex = r"[a-z]{2,6}-[0-9]{1,3}"
+    rows[3]["guided_decoding"] = {"regex": regex}
+    rows[5]["guided_decoding"] = {"regex": "[a-z"}  # does not compile
+    rows[8]["guided_decoding"] = {"choice": ["yes", "no"], "backend": "xgrammar"}  # a key we would not honour
+    # An enum of mixed types: no Arrow type holds it beside the other rows' dicts (the line is read as JSON text).
+    own = {"type": "object", "properties": {"v": {"enum": [1, "x"]}}, "required": ["v"], "additionalProperties": False}
+    rows[10]["guided_decoding"] = {"json": own}
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
+                              "--json-schema", str(schema), "--max-tokens", "48", "--temperature", "1.0", "--seed", "0",
+                              "--no-compile", "--num-cpus", "1"]) == 0
+    table = pq.read_table(str(out)).to_pandas()
+    errors = table[generate.ERROR]
+    assert list(errors[errors.notna()].index) == [5, 8], errors.to_dict()
+    assert "invalid regex constraint" in errors[5]
+    assert "unknown key(s) 'backend'" in errors[8]
+    assert re.fullmatch(regex, table["generated_text"][3]) and table["finish_reason"][3] == "stop"
+    assert table["finish_reason"][10] == "stop"
+    jsonschema.validate(json.loads(table["generated_text"][10]), own)
+    json_rows = table.drop(index=[3, 5, 8, 10])
+    finished = json_rows[json_rows["finish_reason"] != "length"]
+    assert len(finished) >= len(json_rows) // 2, json_rows[["generated_text", "finish_reason"]]
+    for text in finished["generated_text"]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_store)
+    (run,) = mlflow.search_runs(experiment_names=["generate"], output_format="list")
+    assert run.data.params["structured_outputs"] == "json" and run.data.params["guided_decoding_column"] == "True"
+    assert mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/structured_outputs.json") == {"json": SCHEMA}
+
+
+def test_guided_decoding_from_a_parquet_struct_column():
+    """A Parquet column of guided_decoding dicts is one struct of every row's keys, each row's
+    missing ones null (inside its schema too): a row's constraint is what the row gave."""
+    from sala.engine import InvalidParam, StructuredOutputs
+
+    given = [{"regex": "[0-9]+"}, {"choice": ["yes", "no"]}, None,
+             {"json": {"type": "object", "properties": {"a": {"type": "string"}}}},
+             {"json": {"type": "object", "properties": {"b": {"type": "integer", "minimum": 0}}}}]
+    column = pa.array(given).to_pylist()
+    assert column[0]["choice"] is None and column[3]["json"]["properties"]["b"] is None  # what Arrow made of them
+    assert [generate.row_constraint(v) for v in column] == [None if g is None else StructuredOutputs(**g) for g in given]
+    assert generate.row_constraint(json.dumps(given[0])) == StructuredOutputs(regex="[0-9]+")  # a jsonl line's, as text
+    with pytest.raises(InvalidParam, match="give exactly one of json, json_object, regex, choice, grammar; got regex, choice"):
+        generate.row_constraint({"regex": "a", "choice": ["b"]})
+    with pytest.raises(InvalidParam, match="guided_decoding must be an object, got list"):
+        generate.row_constraint(["a"])
+
+
 def test_help_shows_real_defaults(capsys):
     with pytest.raises(SystemExit):
         generate.parse_args(["--help"])
@@ -173,6 +245,10 @@ def test_help_shows_real_defaults(capsys):
 def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_store, capsys, monkeypatch):
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "hi"}\n')
+    not_json = tmp_path / "not.json"
+    not_json.write_text('{"type": "object",')
+    unsupported = tmp_path / "unsupported.json"
+    unsupported.write_text('{"type": "object", "not": {"required": ["a"]}}')
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     existing = tmp_path / "existing"
@@ -189,6 +265,18 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_sto
                                                                  "--repetition-penalty", "0"],
         "--logit-bias: logit_bias for token 5 must be in [-100, 100]": ["--dataset", str(good), "--output",
                                                                          str(tmp_path / "o9"), "--logit-bias", "5=300"],
+        "--json-schema: cannot read": ["--dataset", str(good), "--output", str(tmp_path / "o10"),
+                                       "--json-schema", str(tmp_path / "nope.json")],
+        "--json-schema: json is not valid JSON": ["--dataset", str(good), "--output", str(tmp_path / "o11"),
+                                                  "--json-schema", str(not_json)],
+        "--json-schema: JSON-schema keyword 'not' at # is not supported": ["--dataset", str(good), "--output",
+                                                                          str(tmp_path / "o12"), "--json-schema",
+                                                                          str(unsupported)],
+        "--regex: invalid regex constraint: Regex parsing error": ["--dataset", str(good), "--output",
+                                                                   str(tmp_path / "o13"), "--regex", "[a-z"],
+        "--min-tokens: min_tokens cannot be combined with structured outputs": ["--dataset", str(good), "--output",
+                                                                                str(tmp_path / "o14"), "--choice", "a",
+                                                                                "b", "--min-tokens", "2"],
     }
     import torch
 

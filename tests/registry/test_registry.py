@@ -150,3 +150,31 @@ def test_registered_model_installs_this_project_and_generates_through_the_engine
         invocations(json.dumps({"inputs": ["x"], "params": {"temperature": -1.0}}), "application/json", model,
                     model.metadata.get_input_schema())
     assert e.value.get_http_status_code() == 400
+
+    # A structured-output constraint in params holds every prompt's output to it: sent as MLflow's
+    # scoring server parses it (a choice is a list param, a schema JSON text), and from Python.
+    import jsonschema
+
+    def predict(params: dict) -> list[str]:
+        answer = invocations(json.dumps({"inputs": prompts, "params": params}), "application/json", model,
+                             model.metadata.get_input_schema())
+        assert answer.status == 200, answer.response
+        return json.loads(answer.response)["predictions"]
+
+    assert set(predict({"choice": ["red", "green", "blue"], "max_new_tokens": 8})) <= {"red", "green", "blue"}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    for text in predict({"json_schema": json.dumps(schema), "max_new_tokens": 32}):
+        jsonschema.validate(json.loads(text), schema)
+    for text in model.predict(prompts, params={"regex": r"[a-z]{2,6}-[0-9]{1,3}", "max_new_tokens": 16}):
+        assert re.fullmatch(r"[a-z]{2,6}-[0-9]{1,3}", text), text
+    # A bad one is a 400 naming the param, before any prompt is queued.
+    for params, reason in (({"regex": "[a-z"}, r"^regex: invalid regex constraint: Regex parsing error"),
+                           ({"json_schema": '{"type": "object", "not": {}}'}, r"^json_schema: JSON-schema keyword 'not'"),
+                           ({"regex": "a", "choice": ["b"]}, r"^give at most one of json_schema, json_object, regex, "
+                                                             r"choice, grammar; got regex, choice$")):
+        with pytest.raises(MlflowException, match=reason) as e:
+            model.predict(prompts, params=params)
+        assert e.value.get_http_status_code() == 400
+    assert not model.unwrap_python_model().engine.has_work()

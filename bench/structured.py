@@ -1,0 +1,223 @@
+"""Structured outputs on tiny-sala: tokens/s with a 10-field JSON schema against unconstrained
+decoding in the same run, at batch 1 and 8, greedy and at temperature 1.0; the schema's compile
+time, cold and cached; Medusa's accept length with and without the schema.
+
+    python bench/structured.py [--batch 1 8] [--max-tokens 192] [--repeats 3] [--medusa-model CKPT]
+
+One engine (compiled decode step, the default; warmed up before anything is timed) runs both:
+held-out windows of tiny-sala's text as prompts, `batch` requests in flight (one that finishes
+is replaced at once, as in a server), max_tokens for every request. Unconstrained requests run
+to max_tokens (ignore_eos); a constrained one ends where its JSON does, so tokens/s counts the
+tokens each run generated over its wall time. The two take turns within each of `--repeats`
+rounds and the ratio printed is the median of the rounds' ratios (this machine's speed drifts
+over minutes). Every constrained output that did not run out of tokens is checked against the
+schema with `jsonschema` (and some must end). Temperature 1.0 draws with a seed a request.
+
+Compile time: cold is a fresh Grammars (the engine's compiler over this vocabulary, its cache
+empty) compiling the schema, median of 3, the vocabulary's one-off preprocessing reported apart;
+cached is the engine's Grammars handing the compiled schema back.
+
+Medusa (when the checkpoint has `medusa/` heads: `python pipelines/train_medusa.py` writes them):
+greedy at batch 1 and 8, a fixed tree verified at every step (`--medusa-nodes`, one of the heads'
+tree's candidates), with and without the schema; accept length counts the bonus token (plain
+decoding scores 1.00). Constrained greedy outputs must equal constrained plain greedy's (checked).
+Last line: JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.medusa import held_out_prompts  # noqa: E402
+
+# Ten fields of every kind a schema bounds: short strings, bounded integers and numbers,
+# booleans, enums, a bounded array. Bounded so that tiny-sala's outputs end within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "name": {"type": "string", "maxLength": 8},
+        "city": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number", "minimum": 0, "maximum": 100},
+        "active": {"type": "boolean"},
+        "verified": {"type": "boolean"},
+        "level": {"enum": ["low", "mid", "high"]},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["id", "name", "city", "age", "score", "active", "verified", "level", "color", "tags"],
+    "additionalProperties": False,
+}
+
+
+def run_at_batch(engine, prompts: list[list[int]], batch: int, params: list) -> dict:
+    """Decode `prompts` (each with its params) keeping `batch` in flight: tokens/s over the whole
+    run, the outputs, their finish reasons and the Medusa counters of these requests."""
+    pending, reqs = list(zip(prompts, params)), []
+    start = time.perf_counter()
+    while pending or engine.has_work():
+        while pending and sum(not r.finish_reason for r in reqs) < batch:
+            reqs.append(engine.add_request(*pending.pop(0)))
+        engine.step()
+    wall = time.perf_counter() - start
+    done = [r.completion() for r in reqs]
+    verify = sum(c.spec.verify_steps for c in done if c.spec)
+    accepted = sum(c.spec.accepted_tokens for c in done if c.spec)
+    return {"tokens_per_s": sum(len(c.token_ids) for c in done) / wall, "tokens": [c.token_ids for c in done],
+            "texts": [c.text for c in done], "finish": [c.finish_reason for c in done],
+            "accept_length": 1 + accepted / verify if verify else None}
+
+
+def sampling(n: int, max_tokens: int, greedy: bool, constraint) -> list:
+    from sala.engine import SamplingParams
+
+    # ignore_eos: unconstrained requests run to max_tokens; a constrained one still ends with its grammar.
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured_outputs=constraint,
+                           **({"temperature": 0} if greedy else {"temperature": 1.0, "seed": i})) for i in range(n)]
+
+
+def valid_share(run: dict) -> tuple[int, int]:
+    """(outputs that ended and validate against SCHEMA, outputs that ended): every one must validate."""
+    import jsonschema
+
+    ended = [t for t, f in zip(run["texts"], run["finish"]) if f != "length"]
+    ok = 0
+    for text in ended:
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return ok, len(ended)
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=192,
+                    help="tokens a request may generate; the schema's outputs take ~120-140 on tiny-sala")
+    ap.add_argument("--prompts", type=int, default=16, help="requests a run (at each batch size)")
+    ap.add_argument("--repeats", type=int, default=3, help="pairs (unconstrained, constrained); ratios are their median")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--medusa-model", help="checkpoint with medusa/ heads (default: the one pipelines/train_medusa.py "
+                                           "writes for tiny-sala)")
+    ap.add_argument("--medusa-nodes", type=int, default=16, help="the fixed tree Medusa verifies at every step")
+    args = ap.parse_args(argv)
+    import torch
+
+    from sala.engine import Engine, StructuredOutputs
+    from sala.medusa.heads import has_medusa
+    from sala.structured import Grammars
+    from sala.tiny import ensure_tiny_sala, sala_home
+
+    torch.set_num_threads(args.threads)
+    path = ensure_tiny_sala(progress=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_seqs=max(args.batch))
+    t0 = time.perf_counter()
+    engine.warmup()
+    print(f"warmed up (compiled the decode step) in {time.perf_counter() - t0:.0f} s", flush=True)
+    prompts = held_out_prompts(engine.tokenizer, path, args.prompts)
+    schema = StructuredOutputs(json=SCHEMA)
+    out = {"bench": "structured", "model": str(path), "threads": args.threads, "prompts": args.prompts,
+           "max_tokens": args.max_tokens, "fields": len(SCHEMA["properties"])}
+
+    # Compile time: cold (a fresh compiler, nothing cached), then cached (the engine's, once compiled).
+    colds, setups = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fresh = Grammars(engine.tokenizer, engine.model.config.vocab_size, engine.eos_ids)
+        t1 = time.perf_counter()
+        fresh.compiled(schema)
+        colds.append(time.perf_counter() - t1)
+        setups.append(t1 - t0)
+    engine.grammars.compiled(schema)
+    cached = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        engine.grammars.compiling(schema).result()
+        cached.append(time.perf_counter() - t0)
+    out["compile_cold_ms"], out["compile_cached_ms"] = 1e3 * median(colds), 1e3 * median(cached)
+    out["vocabulary_setup_ms"] = 1e3 * median(setups)
+
+    rows, all_valid = {}, True
+    for b in args.batch:
+        for mode in ("greedy", "t=1.0"):
+            greedy = mode == "greedy"
+            free, held = (sampling(len(prompts), args.max_tokens, greedy, c) for c in (None, schema))
+            run_at_batch(engine, prompts, b, free)  # the first run of each warms the prefix cache
+            run_at_batch(engine, prompts, b, held)
+            pairs = []
+            for _ in range(args.repeats):
+                pairs.append((run_at_batch(engine, prompts, b, free), run_at_batch(engine, prompts, b, held)))
+            ratios = [h["tokens_per_s"] / f["tokens_per_s"] for f, h in pairs]
+            f, h = pairs[ratios.index(median(ratios))]
+            ok, ended = valid_share(h)
+            all_valid &= ok == ended > 0
+            rows[f"b{b}_{'greedy' if greedy else 't1'}"] = r = {
+                "batch": b, "mode": mode, "ratio": median(ratios), "ratio_runs": ratios,
+                "tokens_per_s": h["tokens_per_s"], "unconstrained_tokens_per_s": f["tokens_per_s"],
+                "mean_tokens": sum(map(len, h["tokens"])) / len(prompts), "valid": ok, "ended": ended}
+            print(f"batch {b} {mode:>6}: constrained {r['tokens_per_s']:.0f} tokens/s vs unconstrained "
+                  f"{r['unconstrained_tokens_per_s']:.0f} = {r['ratio']:.2f}x (runs "
+                  + " ".join(f"{x:.2f}" for x in ratios) + f"); {ok}/{ended} ended outputs valid, "
+                  f"{len(prompts) - ended} ran out of tokens", flush=True)
+    out["runs"], out["all_valid"] = rows, all_valid
+
+    medusa_path = Path(args.medusa_model) if args.medusa_model else sala_home() / "models" / f"{path.name}-medusa"
+    medusa = None
+    if has_medusa(medusa_path):
+        medusa = {}
+        spec = Engine.from_pretrained(medusa_path, device="cpu", max_seqs=max(args.batch), medusa_nodes=args.medusa_nodes)
+        spec.warmup()
+        lossless = True
+        for b in args.batch:
+            free, held = (sampling(len(prompts), args.max_tokens, True, c) for c in (None, schema))
+            plain_held = run_at_batch(engine, prompts, b, held)
+            m_free, m_held = run_at_batch(spec, prompts, b, free), run_at_batch(spec, prompts, b, held)
+            lossless &= m_held["tokens"] == plain_held["tokens"]
+            medusa[f"b{b}"] = r = {"accept_length": m_free["accept_length"],
+                                   "accept_length_constrained": m_held["accept_length"],
+                                   "tokens_per_s": m_free["tokens_per_s"],
+                                   "constrained_tokens_per_s": m_held["tokens_per_s"]}
+            print(f"Medusa ({args.medusa_nodes}-node tree) batch {b} greedy: accept length {r['accept_length']:.2f} "
+                  f"unconstrained, {r['accept_length_constrained']:.2f} with the schema", flush=True)
+        medusa["lossless"] = lossless
+        out["medusa"] = medusa
+    else:
+        print(f"Medusa: skipped, {medusa_path} has no medusa/ heads (python pipelines/train_medusa.py writes them; "
+              "or pass --medusa-model)", flush=True)
+        out["medusa"] = None
+
+    print(f"\ntiny-sala, {args.threads} thread(s), a {out['fields']}-field JSON schema, {args.prompts} requests a run, "
+          f"max_tokens {args.max_tokens}; median of {args.repeats} rounds")
+    print(f"{'batch':>5} {'sampling':>8} {'unconstrained tok/s':>20} {'constrained tok/s':>18} {'ratio':>6} "
+          f"{'tokens/output':>14} {'valid':>7}")
+    for r in rows.values():
+        print(f"{r['batch']:>5} {r['mode']:>8} {r['unconstrained_tokens_per_s']:>20.0f} {r['tokens_per_s']:>18.0f} "
+              f"{r['ratio']:>5.2f}x {r['mean_tokens']:>14.1f} {r['valid']:>3}/{r['ended']:<3}")
+    print(f"compile: cold {out['compile_cold_ms']:.1f} ms (plus {out['vocabulary_setup_ms']:.0f} ms once per "
+          f"vocabulary), cached {1e3 * out['compile_cached_ms']:.1f} us")
+    if medusa:
+        for b in args.batch:
+            r = medusa[f"b{b}"]
+            print(f"Medusa batch {b}: accept length {r['accept_length']:.2f} -> {r['accept_length_constrained']:.2f} "
+                  f"with the schema; {r['tokens_per_s']:.0f} -> {r['constrained_tokens_per_s']:.0f} tokens/s")
+        print(f"constrained Medusa greedy identical to constrained plain greedy: {medusa['lossless']}")
+    print(json.dumps(out))
+    return 0 if all_valid and (medusa is None or medusa["lossless"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
