@@ -58,6 +58,18 @@ def validation_prompts(tok, model_dir: Path, n: int) -> list[list[int]]:
     return prompts[:: max(1, len(prompts) // n)][:n]
 
 
+def keep_in_flight(engine, prompts: list[list[int]], params: list, batch: int) -> tuple[list, float]:
+    """Run `prompts` (each with its params) keeping `batch` of them in flight, one that finishes
+    replaced at once, as in a server: the requests and the wall time."""
+    pending, reqs = list(zip(prompts, params)), []
+    start = time.perf_counter()
+    while pending or engine.has_work():
+        while pending and sum(not r.finish_reason for r in reqs) < batch:
+            reqs.append(engine.add_request(*pending.pop(0)))
+        engine.step()
+    return reqs, time.perf_counter() - start
+
+
 def run_at_batch(engine, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool) -> dict:
     """Decode `prompts` keeping `batch` of them in flight (a finished one is replaced at once, as
     a server's continuous batching does): tokens/s over the whole run, the outputs, and the
@@ -76,13 +88,7 @@ def run_at_batch(engine, prompts: list[list[int]], batch: int, max_tokens: int, 
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                              **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))
               for i in range(len(prompts))]
-    pending, reqs = list(zip(prompts, params)), []
-    start = time.perf_counter()
-    while pending or engine.has_work():
-        while pending and sum(not r.finish_reason for r in reqs) < batch:
-            reqs.append(engine.add_request(*pending.pop(0)))
-        engine.step()
-    wall = time.perf_counter() - start
+    reqs, wall = keep_in_flight(engine, prompts, params, batch)
     outputs = [r.output_ids for r in reqs]
     out = {"tokens_per_s": sum(map(len, outputs)) / wall, "outputs": outputs}
     if medusa is not None:

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.medusa import held_out_prompts  # noqa: E402
+from bench.medusa import held_out_prompts, keep_in_flight  # noqa: E402
 
 # Ten fields of every kind a schema bounds: short strings, bounded integers and numbers,
 # booleans, enums, a bounded array. Bounded so that tiny-sala's outputs end within max_tokens.
@@ -64,13 +64,7 @@ SCHEMA = {
 def run_at_batch(engine, prompts: list[list[int]], batch: int, params: list) -> dict:
     """Decode `prompts` (each with its params) keeping `batch` in flight: tokens/s over the whole
     run, the outputs, their finish reasons and the Medusa counters of these requests."""
-    pending, reqs = list(zip(prompts, params)), []
-    start = time.perf_counter()
-    while pending or engine.has_work():
-        while pending and sum(not r.finish_reason for r in reqs) < batch:
-            reqs.append(engine.add_request(*pending.pop(0)))
-        engine.step()
-    wall = time.perf_counter() - start
+    reqs, wall = keep_in_flight(engine, prompts, params, batch)
     done = [r.completion() for r in reqs]
     verify = sum(c.spec.verify_steps for c in done if c.spec)
     accepted = sum(c.spec.accepted_tokens for c in done if c.spec)

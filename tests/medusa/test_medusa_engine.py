@@ -14,6 +14,7 @@ import torch
 
 from sala.checkpoint import load_model
 from sala.engine import Engine, SamplingParams
+from sala.engine.medusa_decoding import greedy_batch
 from sala.kv.plan import KVPlan
 from sala.medusa.heads import load_heads
 from sala.tiny import heldout_texts
@@ -344,6 +345,11 @@ def test_constrained_greedy_with_medusa_equals_constrained_greedy_without(base, 
         spec = engine.generate(prompts[:8], params if grammar else SamplingParams(max_tokens=48, temperature=0))
         accept[grammar] = engine.decoding.totals.accept_length
         if grammar:
+            # The compiled greedy verify graph accepts by raw argmaxes: constrained requests never take it.
+            req = engine.add_request(prompts[0], params[0])
+            assert req.grammar is not None and not greedy_batch([req])
+            engine.cancel(req)
+            engine.step()
             assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
             assert [c.finish_reason for c in spec] == [c.finish_reason for c in plain]
             assert engine.decoding.totals.accepted_tokens > 0
