@@ -53,12 +53,17 @@ class StructuredOutputs:
             object.__setattr__(self, "choice", tuple(self.choice))
 
     @property
+    def given(self) -> list[str]:
+        """The fields that are set."""
+        return [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+
+    @property
     def kind(self) -> str:
         """The one field that is set (validate() has checked there is one)."""
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return self.given[0]
 
     def validate(self) -> StructuredOutputs:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = self.given
         if len(given) != 1:
             raise InvalidParam("structured_outputs", "give exactly one of json, json_object, regex, choice, grammar; "
                                                      f"got {', '.join(given) or 'none'}")
