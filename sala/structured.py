@@ -65,11 +65,8 @@ class Grammars:
         # JSON has no raw control character anywhere (inside strings they are escaped, and our JSON
         # grammars write no whitespace but spaces), yet xgrammar's strings with a length bound let
         # them through: JSON constraints also mask every token holding one.
-        self.json_tokens = bitmask(1, vocab_size)[0]
-        self.json_tokens.fill_(0)
-        for i, piece in enumerate(self.info.decoded_vocab[:vocab_size]):
-            if not any(b < 0x20 for b in piece):
-                self.json_tokens[i // 32] |= _bit(i % 32)
+        vocab = self.info.decoded_vocab[:vocab_size]
+        self.json_tokens = packed([not any(b < 0x20 for b in piece) for piece in vocab] + [False] * (vocab_size - len(vocab)))
         self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="sala-grammar")
         self.cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
         self.lock = threading.Lock()
@@ -144,9 +141,13 @@ def _gbnf_string(s: str) -> str:
     return f'"{escaped}"'
 
 
-def _bit(i: int) -> int:
-    """Bit i of an int32 bitmask word, as a signed value (bit 31 is the sign)."""
-    return (1 << i) - (1 << 32 if i == 31 else 0)
+def packed(allowed: list[bool]) -> torch.Tensor:
+    """Token flags -> one row of xgrammar's packed bitmask [ceil(V / 32)] int32 (bit j of word w:
+    token 32 w + j), in tensor ops: a Python step per token cost ~0.3 s on a 73k vocabulary."""
+    flags = torch.tensor(allowed, dtype=torch.int64)
+    flags = torch.cat([flags, flags.new_zeros(-len(flags) % 32)]).view(-1, 32)
+    words = (flags << torch.arange(32)).sum(1)  # < 2**32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is the sign
 
 
 class Grammar:
