@@ -38,9 +38,9 @@ MAX_SCHEMA_DEPTH = 100  # JSON nesting a schema may have: its checks and xgramma
 
 
 def schema_text(schema: dict, param: str) -> str:
-    """A JSON schema as the engine's constraint takes it: JSON text in the user's key order, which
-    is the order the output's properties come in (a dict would be canonicalised, keys sorted).
-    InvalidParam(param) where it nests deeper than MAX_SCHEMA_DEPTH."""
+    """A JSON schema as the engine's constraint takes it: JSON text in the user's key order (the
+    order the output's properties come in), its integral floats as integers. InvalidParam(param)
+    where it nests deeper than MAX_SCHEMA_DEPTH, before anything recurses through it."""
     shallow(schema, param)
     return json.dumps(integral(schema), ensure_ascii=False)
 
