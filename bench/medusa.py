@@ -12,9 +12,10 @@ Medusa engine's warmup times the steps its choice is made by (printed). Prompts:
 the model's held-out text, which the heads never saw; ignore_eos, `batch` requests in flight
 (one that finishes is replaced at once, as in a server). Sampled: temperature 0.7, a seed a
 request. Each run of Medusa (the engine's choice, or a fixed tree verified at every step) is
-timed right after a plain run of the same prompts, and its speedup is its tokens/s over that
-plain run's; the variants take turns within each of `--repeats` rounds, and the figure printed
-is the median over the rounds (this machine's speed drifts over minutes). Accept length counts the bonus token (plain
+timed against plain decoding of the same prompts, the two engines taking turns every `batch`
+prompts (`alternating`), and its speedup is its tokens/s over plain's; the variants take turns
+within each of `--repeats` rounds, and the figure printed is the median over the rounds (this
+machine's speed drifts by up to 2x over a minute). Accept length counts the bonus token (plain
 decoding scores 1.00), as Spec-Bench; acceptance per depth is the share of verify steps that
 accepted a draft at that depth; "trees used" is the share of decode steps that verified each
 tree size (0: plain). Greedy outputs must equal plain greedy's (checked). `--uniform`: accept
@@ -70,14 +71,14 @@ def keep_in_flight(engine, prompts: list[list[int]], params: list, batch: int) -
     return reqs, time.perf_counter() - start
 
 
-def run_at_batch(engine, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool) -> dict:
+def run_at_batch(engine, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool, first_seed: int = 0) -> dict:
     """Decode `prompts` keeping `batch` of them in flight (a finished one is replaced at once, as
-    a server's continuous batching does): tokens/s over the whole run, the outputs, and the
-    Medusa counters of this run alone (accept length, acceptance per depth, trees used)."""
+    a server's continuous batching does): the tokens, the wall time, the outputs, and the
+    Medusa counters of this run alone (verify steps, drafts accepted in all and per depth, the
+    tree each decode step verified). Sampled request i is seeded first_seed + i."""
     from collections import Counter
 
     from sala.engine import SamplingParams
-    from sala.engine.request import accept_length
 
     medusa = engine.decoding if engine.decoding.totals is not None else None
     used: Counter = Counter()
@@ -86,21 +87,57 @@ def run_at_batch(engine, prompts: list[list[int]], batch: int, max_tokens: int, 
         medusa.for_step = lambda reqs: (s := for_step(reqs), used.update([s.rows - 1] if reqs else []))[0]
         spec0 = medusa.totals.copy()
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                             **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))
+                             **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": first_seed + i}))
               for i in range(len(prompts))]
     reqs, wall = keep_in_flight(engine, prompts, params, batch)
     outputs = [r.output_ids for r in reqs]
-    out = {"tokens_per_s": sum(map(len, outputs)) / wall, "outputs": outputs}
+    out = {"tokens": sum(map(len, outputs)), "wall": wall, "outputs": outputs, "used": used}
     if medusa is not None:
         del medusa.for_step
         s = medusa.totals
-        steps = s.verify_steps - spec0.verify_steps
-        decode_steps = sum(used.values())
-        out["accept_length"] = accept_length(steps, s.accepted_tokens - spec0.accepted_tokens) if steps else None
-        out["acceptance_per_depth"] = [(a - b) / max(steps, 1) for a, b in
-                                       zip(s.accepted_per_depth, spec0.accepted_per_depth + [0] * len(s.accepted_per_depth))]
-        out["trees_used"] = {k: n / decode_steps for k, n in sorted(used.items())}
+        out["verify_steps"] = s.verify_steps - spec0.verify_steps
+        out["accepted"] = s.accepted_tokens - spec0.accepted_tokens
+        out["per_depth"] = [a - b for a, b in zip(s.accepted_per_depth, spec0.accepted_per_depth
+                                                  + [0] * len(s.accepted_per_depth))]
     return out
+
+
+def summary(runs: list[dict]) -> dict:
+    """Runs of one engine as one: tokens/s over their summed wall time, outputs in order, and
+    with Medusa accept length (bonus included), acceptance per depth and the share of decode
+    steps that verified each tree size (0: plain)."""
+    from collections import Counter
+
+    from sala.engine.request import accept_length
+
+    out = {"tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["wall"] for r in runs),
+           "outputs": [o for r in runs for o in r["outputs"]]}
+    if "verify_steps" in runs[0]:
+        steps = sum(r["verify_steps"] for r in runs)
+        depth = max(len(r["per_depth"]) for r in runs)
+        used = sum((r["used"] for r in runs), Counter())
+        out["accept_length"] = accept_length(steps, sum(r["accepted"] for r in runs)) if steps else None
+        out["acceptance_per_depth"] = [sum(r["per_depth"][d] for r in runs if d < len(r["per_depth"])) / max(steps, 1)
+                                       for d in range(depth)]
+        out["trees_used"] = {k: n / sum(used.values()) for k, n in sorted(used.items())}
+    return out
+
+
+def alternating(plain, medusa, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool,
+                nodes: int | None) -> tuple[dict, dict]:
+    """Plain decoding and Medusa (the engine's choice, or the `nodes` tree at every step) over
+    the same prompts, taking turns every `batch` prompts, the one going first alternating too:
+    this machine's speed drifts (by up to 2x over a minute, measured on the 2-core VM), so
+    each engine's tokens/s is taken over the same stretches of time."""
+    runs: dict[str, list] = {"plain": [], "medusa": []}
+    for i, start in enumerate(range(0, len(prompts), batch)):
+        chunk = prompts[start : start + batch]
+        turns = [("plain", plain), ("medusa", medusa)]
+        for name, engine in turns if i % 2 == 0 else turns[::-1]:
+            forcing = medusa.decoding.choice.forcing(nodes) if name == "medusa" and nodes else contextlib.nullcontext()
+            with forcing:
+                runs[name].append(run_at_batch(engine, chunk, batch, max_tokens, greedy, first_seed=start))
+    return summary(runs["plain"]), summary(runs["medusa"])
 
 
 def main(argv=None) -> int:
@@ -158,9 +195,7 @@ def main(argv=None) -> int:
             pairs = {name: [] for name, _ in variants}
             for _ in range(args.repeats):  # the variants in turn within a repeat: drift spreads over all of them
                 for name, nodes in variants:
-                    p = run_at_batch(plain, prompts, b, args.max_tokens, greedy)
-                    with choice.forcing(nodes) if nodes else contextlib.nullcontext():
-                        m = run_at_batch(medusa, prompts, b, args.max_tokens, greedy)
+                    p, m = alternating(plain, medusa, prompts, b, args.max_tokens, greedy, nodes)
                     lossless &= not greedy or p["outputs"] == m["outputs"]
                     pairs[name].append((p, m))
             for name, runs in pairs.items():

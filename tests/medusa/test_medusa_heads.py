@@ -23,11 +23,33 @@ def test_untrained_head_is_lm_head_after_a_zero_weight_block(shared):
     out = heads(x, head)
     assert out.shape == (4, 3, 50)
     for k in range(4):
-        bias = heads.blocks[k][0].linear.bias
+        bias = heads.b1[k, 0]
         torch.testing.assert_close(out[k], head(x + F.silu(bias)))  # W1 = 0: x + SiLU(b)
     assert (heads.proj is None) == shared
     drafts = heads.draft_tokens(x, head)
     assert drafts.shape == (3, 4, 10) and torch.equal(drafts[:, 0], out[0].topk(10).indices)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_heads_compute_each_head_as_its_own_blocks_and_projection(shared):
+    """The stacked heads against a naive loop over each head's tensors as heads.safetensors names
+    them: block l of head k is x + SiLU(x W^T + b), then the head's projection (or lm_head)."""
+    torch.manual_seed(0)
+    head = lm_head()
+    heads = MedusaHeads(MedusaConfig(16, 50, num_heads=3, num_layers=2, shared_lm_head=shared, tree=[[0], [0, 0], [1]]), head)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    tensors = heads.disk_state()
+    x = torch.randn(2, 5, 16)
+    out = heads(x, head)
+    for k in range(3):
+        h = x
+        for layer in range(2):
+            w, b = tensors[f"blocks.{k}.{layer}.linear.weight"], tensors[f"blocks.{k}.{layer}.linear.bias"]
+            h = h + F.silu(h @ w.T + b)
+        expected = h @ (head.weight if shared else tensors[f"proj.{k}.weight"]).T
+        torch.testing.assert_close(out[k], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_save_load_round_trip_and_mismatches(tmp_path):
@@ -42,7 +64,7 @@ def test_save_load_round_trip_and_mismatches(tmp_path):
     loaded = load_heads(tmp_path, model_config)
     x = torch.randn(2, 16)
     torch.testing.assert_close(loaded(x, head), heads(x, head))
-    assert loaded.tree.num_nodes == 64 and loaded.blocks[0][0] is not loaded.blocks[0][1]  # independent layers
+    assert loaded.tree.num_nodes == 64 and not torch.equal(loaded.w1[0, 0], loaded.w1[0, 1])  # independent layers
     with pytest.raises(CheckpointError, match="hidden_size=16, but the model has hidden_size=32"):
         load_heads(tmp_path, SimpleNamespace(hidden_size=32, vocab_size=50))
     with pytest.raises(CheckpointError, match="vocab_size=50, but the model has vocab_size=64"):
