@@ -110,12 +110,15 @@ class MedusaHeads(nn.Module):
 
     def from_disk(self, state: dict[str, torch.Tensor], source: str) -> None:
         """Load weights named as `disk_state` names them; CheckpointError naming `source` when
-        the names do not match this config."""
+        the names or shapes do not match this config (copy_ would broadcast a wrong shape)."""
         expected = self.disk_state()
         missing, extra = set(expected) - set(state), set(state) - set(expected)
         if missing or extra:
             raise CheckpointError(f"{source}: tensors do not match the config "
                                   f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
+        if wrong := [n for n, param in expected.items() if state[n].shape != param.shape]:
+            raise CheckpointError(f"{source}: {wrong[0]} has shape {list(state[wrong[0]].shape)} but the config "
+                                  f"makes it {list(expected[wrong[0]].shape)}")
         with torch.no_grad():
             for name, param in expected.items():  # views of the stacked parameters
                 param.copy_(state[name])

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from sala.checkpoint import CheckpointError
 from sala.medusa.heads import MedusaConfig, MedusaHeads, load_heads
@@ -78,6 +79,12 @@ def test_save_load_round_trip_and_mismatches(tmp_path):
     (tmp_path / "medusa/manifest.json").unlink()
     with pytest.raises(InvalidTree, match="5 deep but there are only 4 heads"):
         load_heads(tmp_path, model_config)
+    heads.save(tmp_path / "short")  # a tensor of another shape than the config's: refused, not broadcast
+    weights = load_file(str(tmp_path / "short/medusa/heads.safetensors"))
+    save_file({**weights, "proj.1.weight": weights["proj.1.weight"][:1]}, str(tmp_path / "short/medusa/heads.safetensors"))
+    (tmp_path / "short/medusa/manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"proj.1.weight has shape \[1, 16\] but the config makes it \[50, 16\]"):
+        load_heads(tmp_path / "short", model_config)
     with pytest.raises(CheckpointError, match="no Medusa heads"):
         load_heads(tmp_path / "elsewhere", model_config)
 
