@@ -59,7 +59,9 @@ def parse_args(argv=None):
     ap.add_argument("--windows-per-row", type=int, default=8, help="windows taken from each row, at most")
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
-    ap.add_argument("--shared-lm-head", action="store_true", help="heads reuse lm_head instead of their own projection")
+    ap.add_argument("--shared-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                    help="heads project through lm_head (Medusa-2's choice: drafting reads one vocabulary matrix, not "
+                         "one a head); --no-shared-lm-head gives each head a projection of its own")
     ap.add_argument("--topk", type=int, default=10, help="ranks per head the tree may use")
     ap.add_argument("--tree-nodes", type=int, default=63, help="the stored tree: this many paths, the most often right")
     ap.add_argument("--tree", choices=["mc_sim_7b_63"], help="use this fixed tree instead")

@@ -97,10 +97,15 @@ class EngineSeries:
                                          "expected to yield now (measured acceptance, corrected by recent steps)",
                                          labels=labels)
             speedup = GaugeMetricFamily("sala_spec_expected_speedup", "Expected tokens/s of the chosen tree over plain "
-                                        "decoding at this batch size (step costs measured at start-up)", labels=labels)
+                                        "decoding at this batch size now (step costs measured at start-up, corrected "
+                                        "by what recent steps accepted and took)", labels=labels)
+            warmup = GaugeMetricFamily("sala_spec_warmup_speedup", "Expected tokens/s of the chosen tree over plain "
+                                       "decoding at this batch size by start-up's step costs and the heads' acceptance "
+                                       "alone", labels=labels)
             for t in spec.trees:
                 key = [str(t.batch), "greedy" if t.greedy else "sampled"]
                 nodes.add_metric(key, t.nodes)
                 expected.add_metric(key, t.accept_length)
                 speedup.add_metric(key, t.speedup)
-            yield from (nodes, expected, speedup)
+                warmup.add_metric(key, t.warmup_speedup)
+            yield from (nodes, expected, speedup, warmup)

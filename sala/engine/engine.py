@@ -257,6 +257,7 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> None:
+        start = time.perf_counter()
         for r in self.scheduler.pop_cancelled():
             self._emit(r, [], None, "cancelled")
         batch = self.scheduler.schedule()
@@ -264,6 +265,7 @@ class Engine:
             out = self.runner.run(batch)
             for gained in self.postprocess(batch, out):
                 self._append(gained)
+            self.decoding.took(batch, time.perf_counter() - start)
 
     def postprocess(self, batch: Schedule, out: StepOutput) -> list[Emitted]:
         """What each request gained from the step. Its tokens are in the cache first (the prefix

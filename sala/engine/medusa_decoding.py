@@ -35,12 +35,21 @@ top-k at every depth, whatever tree reads them). medusa_nodes (the engine settin
   verifies the candidate with the most expected tokens per second,
       speedup = accept_length(tree) x plain(n) / verify(n, tree),
   where that is at least MIN_SPEEDUP (1.15), else it decodes plainly (step times interpolated between
-  the batch sizes timed). accept_length(tree) is the expected one scaled by what verify steps
-  of the last WINDOW_STEPS decode steps accepted against what they were expected to (once
-  MIN_OBSERVED requests' verifies are in the window; greedy and sampled batches apart). So a
-  text the heads do not know, or sampled requests, shrink the tree or stop verification; a batch
-  that grows moves to the choice timed for its size; and once the observations that stopped it
-  have aged out of the window, it verifies again and looks. Until warmup has timed the steps
+  the batch sizes timed). Both factors are corrected by the last WINDOW_STEPS decode steps
+  (greedy and sampled batches apart). accept_length(tree) is the expected one scaled by what
+  verify steps accepted against what they were expected to (once MIN_OBSERVED requests'
+  verifies are in the window). The step times are scaled by what steps took against warmup's
+  times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
+  warmup times the two kinds of step in turn, one at a time, and that can be wrong for a whole
+  run (on a 2-core VM it timed a plain step at 3.2 ms; back-to-back runs took 2.1 ms). While
+  it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step takes now
+  is known beside what verify steps take (every PROBE_SOON-th until MIN_TIMED are); while it
+  decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a row out of
+  every EXPLORE_EVERY verify the top candidate if it is expected at MIN_EXPLORED or more, so that a tree warmup misjudged
+  gets measured (sampled requests accept by typical acceptance, more than the greedy priors). So a text the heads do not know, sampled requests, or
+  verify steps dearer than warmup found shrink the tree or stop verification; a batch that grows
+  moves to the choice timed for its size; and once the observations that stopped it have aged
+  out of the window, it verifies again and looks. Until warmup has timed the steps
   it verifies the whole tree; heads with no measured acceptance have their whole tree as the
   one candidate, and what the window measures it to accept decides.
 - N: the N-node candidate at every step; 0: never verify.
@@ -80,11 +89,21 @@ log = logging.getLogger(__name__)
 CANDIDATE_NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WINDOW_STEPS = 512  # decode steps an observed verify counts for
 MIN_OBSERVED = 16  # requests' verifies in the window before they correct the expected acceptance
-# Below it a tree is not chosen: warmup's step times leave out what a real run adds (drafting at
-# the end of each prompt, the host work of each accepted token) and carry the machine's noise;
-# measured on tiny-sala, a tree expected at 1.44x ran at 1.27-1.31x, one expected at 1.10x at 0.91x.
+# Below it a tree is not chosen: the estimate leaves out drafting at the end of each prompt, the
+# plain probes and the first verify after a plain step (its drafts a token old), and it is noisy.
 MIN_SPEEDUP = 1.15
 TIMED_STEPS = 7  # of each kind, taken in turn
+MIN_TIMED = 8  # steps of a kind in the window before their times correct warmup's
+PROBE_EVERY = 32  # while verifying, a plain step at least this often (the time a plain step takes now)
+PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are in the window
+# A candidate expected at MIN_EXPLORED or more but below MIN_SPEEDUP is still verified every
+# EXPLORE_EVERY steps (EXPLORE_STEPS of them) while the window holds too few verify steps: warmup's times and the
+# heads' greedy acceptance misjudge it (measured on tiny-sala, sampled at batch 1: expected 1.07x
+# by warmup, ran at 1.09x; typical acceptance kept 2.22 tokens a step where 1.91 were expected).
+MIN_EXPLORED = 0.8
+EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps drafts from an old token
+VERIFY = -1  # TreeChoice.drift's key for the verify steps of every candidate
+MAX_LOG_DRIFT = 1.0  # a step's time counts as at most e times (at least 1/e) warmup's
 
 
 def greedy_batch(reqs: list[Request]) -> bool:
@@ -137,6 +156,11 @@ class MedusaDecoding:
         """The chosen tree's verify step for these decoding requests, or a plain one."""
         nodes = self.choice(len(decoding), greedy_batch(decoding)) if decoding else 0
         return self.verifies[nodes] if nodes else self.plain_step
+
+    def took(self, batch, seconds: float) -> None:
+        """A step took `seconds`: a decode step's time corrects the choice's (see TreeChoice.time_scale)."""
+        if batch.decodes and not batch.prefills:
+            self.choice.timed(batch.decoding.rows - 1, greedy_batch(batch.decodes), len(batch.decodes), 1e3 * seconds)
 
     def compiled_steps(self) -> list:
         graphs = {id(g): g for v in self.verifies.values() for g in (v.fast_verify, v.fast_greedy) if g is not None}
@@ -235,7 +259,8 @@ class MedusaDecoding:
                     plain = row[(greedy, 0)] = median([p for p, _ in pairs.values()])
                     row.update({(greedy, k): v * plain / p for k, (p, v) in pairs.items()})
                     speedup = choice.speedup(row, nodes, greedy)
-                    if speedup < 0.8 * best:  # past the best tree: a verify's fixed cost makes small trees no guide
+                    # Past the best tree and past plain decoding: a verify's fixed cost makes small trees no guide.
+                    if speedup < 0.8 * max(best, 1.0) and nodes >= 8:
                         break
                     best = max(best, speedup)
             if all(choice.best(n, greedy)[0] == 0 for greedy in (True, False)):
@@ -404,6 +429,11 @@ class TreeChoice:
     # greedy -> [requests, drafts accepted, drafts the priors expected] over the window, kept as
     # entries come and go: the choice is made every step, in well under a step's time
     observed: dict[bool, list] = field(default_factory=lambda: {True: [0, 0, 0.0], False: [0, 0, 0.0]})
+    # (decode step, greedy, nodes, log(ms it took / warmup's time for it)) of recent decode steps
+    timings: deque = field(default_factory=deque)
+    # (greedy, nodes) -> [steps, sum of their log ratios] over `timings`; nodes VERIFY: every candidate's
+    drift: dict[tuple[bool, int], list] = field(default_factory=dict)
+    last_plain: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # last decode step chosen plain
     steps: int = 0  # decode steps chosen for so far
 
     def __call__(self, n: int, greedy: bool = True) -> int:
@@ -412,30 +442,72 @@ class TreeChoice:
         self.steps += 1
         while self.window and self.window[0][0] <= self.steps - WINDOW_STEPS:
             self._count(self.window.popleft(), -1)
+        while self.timings and self.timings[0][0] <= self.steps - WINDOW_STEPS:
+            self._time(self.timings.popleft(), -1)
         if self.force is not None:
             return self.force
         if not self.prior or (self.max_batch is not None and n > self.max_batch):
             return 0
         if self.fixed or not self.step_ms:
             return max(self.prior)
-        return self.best(n, greedy)[0]
+        nodes, speedup = self.top(n, greedy)
+        if speedup >= MIN_SPEEDUP:
+            every = PROBE_EVERY if self.drift.get((greedy, 0), (0,))[0] >= MIN_TIMED else PROBE_SOON
+            if self.steps - self.last_plain[greedy] >= every:
+                nodes = 0  # a probe: what a plain step takes now, beside the verify steps
+        elif not (speedup >= MIN_EXPLORED and self.steps % EXPLORE_EVERY < EXPLORE_STEPS and self._unexplored(greedy)):
+            nodes = 0  # else a look: what verify steps take and accept now, when the window has too few
+        if not nodes:
+            self.last_plain[greedy] = self.steps
+        return nodes
 
     def best(self, n: int, greedy: bool) -> tuple[int, float]:
         """The candidate with the most expected tokens/s at n requests and its speedup over plain
         decoding; (0, 1.0) where none reaches MIN_SPEEDUP."""
-        times = self.step_times(n)
-        best = (0, 1.0)
-        for nodes in self.prior:
-            if (speedup := self.speedup(times, nodes, greedy)) >= MIN_SPEEDUP and speedup > best[1]:
-                best = (nodes, speedup)
-        return best
+        nodes, speedup = self.top(n, greedy)
+        return (nodes, speedup) if speedup >= MIN_SPEEDUP else (0, 1.0)
 
-    def speedup(self, times: dict[tuple[bool, int], float], nodes: int, greedy: bool) -> float:
-        """Expected tokens/s of verifying the candidate over decoding plainly, by `times` (0: not timed)."""
+    def top(self, n: int, greedy: bool) -> tuple[int, float]:
+        """The candidate with the most expected tokens/s at n requests, and its speedup over plain
+        decoding; (0, 0.0) where none is timed."""
+        times = self.step_times(n)
+        top = (0, 0.0)
+        for nodes in self.prior:
+            if (greedy, nodes) in times and (speedup := self.speedup(times, nodes, greedy)) > top[1]:
+                top = (nodes, speedup)
+        return top
+
+    def _unexplored(self, greedy: bool) -> bool:
+        """Whether the window holds too few verify steps to correct the priors by."""
+        return self.drift.get((greedy, VERIFY), (0,))[0] < MIN_TIMED or self.observed[greedy][0] < MIN_OBSERVED
+
+    def speedup(self, times: dict[tuple[bool, int], float], nodes: int, greedy: bool, live: bool = True) -> float:
+        """Expected tokens/s of verifying the candidate over decoding plainly, by `times` (0: not
+        timed) and, when `live`, corrected by what the window's steps accepted and took."""
         plain, verify = times.get((greedy, 0), math.inf), times.get((greedy, nodes), math.inf)
         if not math.isfinite(plain) or not math.isfinite(verify):  # not timed
             return 0.0
-        return self.accept_length(nodes, greedy) * plain / verify
+        if not live:
+            return (self.prior[nodes] or 1.0) * plain / verify
+        return self.accept_length(nodes, greedy) * plain / verify * self.time_scale(nodes, greedy)
+
+    def time_scale(self, nodes: int, greedy: bool) -> float:
+        """How much cheaper than warmup measured them the window's steps found verify steps of the
+        candidate against plain ones: each kind's steps took exp(mean log(took / warmup's time))
+        of what warmup's times predict at their batch sizes. A candidate with too few steps in
+        the window is taken as the window's verify steps of every candidate; 1 where plain or
+        verify steps are too few (warmup's ratio stands)."""
+        plain = self._mean_drift((greedy, 0))
+        if plain is None:
+            return 1.0
+        verify = self._mean_drift((greedy, nodes))
+        if verify is None and (verify := self._mean_drift((greedy, VERIFY))) is None:
+            return 1.0
+        return math.exp(plain - verify)
+
+    def _mean_drift(self, key: tuple[bool, int]) -> float | None:
+        count, total = self.drift.get(key, (0, 0.0))
+        return total / count if count >= MIN_TIMED else None
 
     def accept_length(self, nodes: int, greedy: bool) -> float:
         """Tokens a verify step of the candidate is expected to yield now: its prior scaled by what
@@ -448,10 +520,27 @@ class TreeChoice:
         return 1 + scale * (prior - 1)
 
     def observe(self, nodes: int, greedy: bool, requests: int, accepted: int) -> None:
-        """A verify step of the `nodes` candidate in which `requests` requests accepted `accepted` drafts."""
-        if self.force is None:  # warmup's steps run a token of no text
+        """A verify step of the `nodes` candidate in which `requests` requests accepted `accepted`
+        drafts. Not counted: warmup's steps (a token of no text), and a verify right after a plain
+        step, whose drafts are a token old (what the choice weighs is what verifying in a row yields)."""
+        if self.force is None and self.last_plain[greedy] != self.steps - 1:
             self.window.append(entry := (self.steps, greedy, nodes, requests, accepted))
             self._count(entry, 1)
+
+    def timed(self, nodes: int, greedy: bool, requests: int, ms: float) -> None:
+        """A decode step (no prompt work) of `requests` requests, verifying the `nodes` candidate
+        (0: plain), took `ms`."""
+        if self.force is None and self.step_ms and (predicted := self.step_times(requests).get((greedy, nodes))):
+            ratio = min(max(math.log(ms / predicted), -MAX_LOG_DRIFT), MAX_LOG_DRIFT)  # a pause is not the step's cost
+            self.timings.append(entry := (self.steps, greedy, nodes, ratio))
+            self._time(entry, 1)
+
+    def _time(self, entry: tuple, sign: int) -> None:
+        _, greedy, nodes, ratio = entry
+        for key in ((greedy, nodes), (greedy, VERIFY)) if nodes else ((greedy, 0),):
+            totals = self.drift.setdefault(key, [0, 0.0])
+            totals[0] += sign
+            totals[1] += sign * ratio
 
     def _count(self, entry: tuple, sign: int) -> None:
         _, greedy, nodes, requests, accepted = entry
@@ -467,6 +556,7 @@ class TreeChoice:
             for greedy in (True, False):
                 nodes, speedup = self.best(n, greedy)
                 rows.append(ChosenTree(batch=n, greedy=greedy, nodes=nodes, speedup=speedup,
+                                       warmup_speedup=self.speedup(self.step_times(n), nodes, greedy, live=False) if nodes else 1.0,
                                        accept_length=self.accept_length(nodes, greedy) if nodes else 1.0))
         return tuple(rows)
 

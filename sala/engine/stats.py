@@ -66,7 +66,10 @@ class ChosenTree:
     greedy: bool
     nodes: int  # tree nodes verified a request (0: plain decoding)
     accept_length: float  # expected tokens a verify step of it yields now (1.0 for plain decoding)
-    speedup: float  # expected tokens/s over plain decoding (1.0 for plain decoding)
+    # expected tokens/s over plain decoding (1.0 for plain decoding): by warmup's step times and
+    # the heads' measured acceptance, corrected by what the last decode steps accepted and took
+    speedup: float
+    warmup_speedup: float  # by warmup's step times and the heads' acceptance alone
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,8 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
         key = (str(t.batch), "greedy" if t.greedy else "sampled")
         assert samples[("sala_spec_tree_nodes", *key)] == t.nodes == medusa.choice.best(t.batch, t.greedy)[0]
         assert samples[("sala_spec_expected_speedup", *key)] == pytest.approx(t.speedup)
+        assert samples[("sala_spec_warmup_speedup", *key)] == pytest.approx(t.warmup_speedup)
+        assert t.speedup == pytest.approx(t.warmup_speedup)  # no decode step has run yet: nothing corrects it
     calls = []
     fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)  # a[0]: parents [T]
     for nodes in (1, 4, 63):
@@ -217,6 +219,17 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
             out = engine.generate(prompts[:1], params) + engine.generate(prompts[1:6], params)
         assert [c.token_ids for c in out] == [c.token_ids for c in plain], f"the {nodes}-node tree"
     assert set(calls) == {2, 5, 64} and medusa.totals.accept_length > 1.3
+    # With the choice left to itself, every decode step with no prompt work is timed against
+    # warmup's time for its kind, and nothing else is (the forced steps above were not).
+    assert not medusa.choice.timings
+    steps = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
+    out = engine.generate(prompts[:6], params)
+    del engine.scheduler.schedule
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    pure = [s.decoding.rows - 1 for s in steps if s.decodes and not s.prefills]
+    assert [nodes for _, _, nodes, _ in medusa.choice.timings] == pure and len(pure) > N_NEW
 
 
 def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, tiny_sala_dir):
@@ -247,8 +260,18 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
     """TreeChoice against the rule worked by hand: at n requests the candidate with the largest
     accept_length x plain(n) / verify(n, tree) if that is at least MIN_SPEEDUP, else plain; the
     accept length its prior scaled by what the window's verify steps accepted against their
-    priors; observations age out after WINDOW_STEPS decode steps, and then it verifies again."""
-    from sala.engine.medusa_decoding import MIN_OBSERVED, WINDOW_STEPS, TreeChoice, candidate_sizes
+    priors; a candidate short of MIN_SPEEDUP but not of MIN_EXPLORED verified now and then while
+    the window has too few verify steps; observations age out after WINDOW_STEPS decode steps,
+    and then it verifies again."""
+    from sala.engine.medusa_decoding import (
+        EXPLORE_EVERY,
+        EXPLORE_STEPS,
+        MIN_OBSERVED,
+        MIN_TIMED,
+        WINDOW_STEPS,
+        TreeChoice,
+        candidate_sizes,
+    )
 
     choice = TreeChoice(prior={1: 1.5, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
     assert choice(64) == 16  # not timed yet: the whole tree
@@ -257,12 +280,27 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
     # n = 1: 1.5 x 2 / 2.5 = 1.2, 2.0 x 2 / 3 = 1.33, 2.4 x 2 / 5 = 0.96 -> 4 nodes. n = 4: 1.125, 1.0, 0.6:
     # below MIN_SPEEDUP (1.15) -> plain. n = 2 (a third of the way): plain 2.33, one node 3.0: 1.17; four 4.0:
     # 1.17 (a tie keeps the smaller). Sampled, n = 1: 1.5 x 2 / 4 = 0.75; beyond it no verify time: plain.
-    assert [choice(n) for n in (1, 2, 4, 64)] == [4, 1, 0, 0] and choice(1, greedy=False) == 0
-    assert choice.best(1, True) == (4, pytest.approx(4 / 3))
-    # A text the heads do not know: greedy verifies of four nodes accept a quarter of what their prior says.
+    assert [choice.best(n, True)[0] for n in (1, 2, 4, 64)] == [4, 1, 0, 0] and choice.best(1, False)[0] == 0
+    assert choice.best(1, True) == (4, pytest.approx(4 / 3)) and choice(1) == 4
+    # Below MIN_SPEEDUP but at least MIN_EXPLORED (n = 4: one node, 1.125x), while the window holds too few
+    # verify steps, EXPLORE_STEPS in a row out of every EXPLORE_EVERY verify the top candidate anyway; sampled
+    # at n = 1 (0.75x): never.
+    first = choice.steps + 1
+    looks = {first + i: choice(4) for i in range(2 * EXPLORE_EVERY)}
+    assert looks == {step: 1 if step % EXPLORE_EVERY < EXPLORE_STEPS else 0 for step in looks}
+    assert not any(choice(1, greedy=False) for _ in range(2 * EXPLORE_EVERY))
+    # A text the heads do not know: greedy verifies of four nodes accept a quarter of what their prior says
+    # (and take as long as warmup timed them: the window holds verify steps enough, no more looks).
     observed_at = choice.steps
     for _ in range(MIN_OBSERVED):
         choice.observe(4, True, requests=1, accepted=0 if _ % 4 else 1)
+    for _ in range(MIN_TIMED):
+        choice.timed(4, True, 1, 3.0)
+    # A verify right after a plain step (its drafts a token old) is not counted.
+    assert choice(1) == 0
+    choice.steps += 1  # the next decode step, a verify
+    choice.observe(1, True, requests=1, accepted=0)
+    assert choice.observed[True][0] == MIN_OBSERVED
     assert choice.accept_length(4, True) == pytest.approx(1.25) and choice.accept_length(16, True) == pytest.approx(1.35)
     # n = 1: 1.125 x 2 / 2.5 = 0.9, 1.25 x 2 / 3 = 0.83: plain.
     assert choice(1) == 0 and choice(4) == 0 and choice.accept_length(4, False) == 2.0  # sampled steps: their own window
@@ -275,6 +313,63 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
         candidate_sizes(64, 63, True)
     fixed = TreeChoice(prior={8: 2.0}, max_batch=2, fixed=True)
     assert [fixed(n) for n in (1, 2, 3)] == [8, 8, 0]
+
+
+def test_tree_choice_corrects_warmups_step_times_by_the_steps_it_takes():
+    """Warmup's step times can be wrong for a whole run (measured on the 2-core VM: it timed a
+    plain step at 3.2 ms, back-to-back runs took 2.1). The choice scales verify against plain
+    by exp(mean log(took / warmup's time)) of each kind over the window, a candidate without
+    MIN_TIMED steps of its own taken as all verify steps, and while it verifies it takes a
+    plain step every PROBE_EVERY decode steps (PROBE_SOON while fewer than MIN_TIMED plain steps
+    are in the window) to know what one takes now."""
+    import math
+
+    from sala.engine.medusa_decoding import MAX_LOG_DRIFT, MIN_TIMED, PROBE_EVERY, PROBE_SOON, WINDOW_STEPS, TreeChoice
+
+    choice = TreeChoice(prior={1: 1.5, 4: 2.0}, max_batch=None, fixed=False)
+    choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.0, (False, 0): 2.0},
+                      2: {(True, 0): 3.0, (True, 1): 4.0, (True, 4): 5.0}}
+    # By warmup alone, n = 1: 1.5 x 2 / 2.5 = 1.2, 2 x 2 / 3 = 1.33 -> 4 nodes; with no plain step timed
+    # yet, every PROBE_SOON-th step is plain.
+    picks = [choice(1) for _ in range(3 * PROBE_SOON)]
+    assert picks == ([4] * (PROBE_SOON - 1) + [0]) * 3 and choice.time_scale(4, True) == 1.0
+    choice.timed(4, True, 1, 3.3)  # too few steps of either kind: warmup's times stand
+    assert choice.best(1, True) == (4, pytest.approx(4 / 3))
+    # Plain steps take 0.75 of warmup's time at their batch size (1.5 ms at n = 1, 1.875 at n = 1.5 -> 2.5 ms),
+    # the 4-node verify 1.1 of it: 4 nodes scale by 0.75 / 1.1 -> 0.91x; the 1-node tree, with no steps of its
+    # own, by the same (every verify step's drift): 1.2 x 0.682 = 0.82x. Both below MIN_SPEEDUP: plain.
+    for _ in range(MIN_TIMED):
+        choice.timed(0, True, 1, 1.5)
+        choice.timed(0, True, 2, 2.25)
+        choice.timed(4, True, 2, 5.5)
+    ratio = 0.75 / 1.1
+    assert choice.time_scale(4, True) == pytest.approx(ratio) and choice.time_scale(1, True) == pytest.approx(ratio)
+    assert choice.speedup(choice.step_times(1), 4, True) == pytest.approx(4 / 3 * ratio)
+    assert choice.speedup(choice.step_times(1), 4, True, live=False) == pytest.approx(4 / 3)
+    assert choice(1) == 0 and choice(2) == 0
+    assert choice.table()[0].warmup_speedup == 1.0 and choice.table()[0].speedup == 1.0  # plain
+    # The 1-node tree's own steps are as warmup said (0.75 against plain's 0.75): 1.2x, chosen.
+    for _ in range(MIN_TIMED):
+        choice.timed(1, True, 1, 1.875)
+    assert choice.time_scale(1, True) == pytest.approx(1.0) and choice.best(1, True) == (1, pytest.approx(1.2))
+    row = choice.table()[0]
+    assert (row.batch, row.nodes, row.speedup, row.warmup_speedup) == (1, 1, pytest.approx(1.2), pytest.approx(1.2))
+    # A pause counts as at most e times warmup's step time; sampled steps keep a drift of their own.
+    choice.timed(0, False, 1, 1e6)
+    assert choice.drift[(False, 0)] == [1, MAX_LOG_DRIFT] and choice.time_scale(1, False) == 1.0
+    # Probes: verifying, at least one decode step in PROBE_EVERY is plain.
+    picks = [choice(1) for _ in range(3 * PROBE_EVERY)]
+    assert picks.count(0) == 3 and set(picks) == {0, 1} and picks[PROBE_EVERY - 1] == 0, picks  # the last plain step: two before the first pick
+    # Timings age out with the window: warmup's times stand again.
+    while choice.steps < WINDOW_STEPS + 100:
+        choice(1)
+    assert not choice.timings and all(n == 0 for n, _ in choice.drift.values()) and (True, -1) in choice.drift
+    assert choice.time_scale(4, True) == 1.0 and choice(1) == 4
+    # Warmup's own steps (forced) are not counted.
+    with choice.forcing(4):
+        choice.timed(4, True, 1, 3.0)
+    assert not choice.timings
+    assert math.isclose(choice.drift[(True, 0)][1], 0.0, abs_tol=1e-9)
 
 
 def test_medusa_settings_parse_and_name_what_is_wrong():
