@@ -42,14 +42,15 @@ top-k at every depth, whatever tree reads them). medusa_nodes (the engine settin
   times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
   warmup times the two kinds of step in turn, one at a time, and that can be wrong for a whole
   run (on a 2-core VM it timed a plain step at 3.2 ms; back-to-back runs took 2.1 ms). While
-  it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step takes now
-  is known beside what verify steps take (every PROBE_SOON-th until MIN_TIMED are); while it
-  decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a row out of
-  every EXPLORE_EVERY verify the top candidate if it is expected at MIN_EXPLORED or more, so that a tree warmup misjudged
-  gets measured (sampled requests accept by typical acceptance, more than the greedy priors). So a text the heads do not know, sampled requests, or
-  verify steps dearer than warmup found shrink the tree or stop verification; a batch that grows
-  moves to the choice timed for its size; and once the observations that stopped it have aged
-  out of the window, it verifies again and looks. Until warmup has timed the steps
+  it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step
+  takes now is known beside what verify steps take (one in PROBE_SOON until MIN_TIMED are).
+  While it decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a
+  row out of every EXPLORE_EVERY verify the top candidate if it is expected at MIN_EXPLORED or
+  more, so that a tree warmup misjudged gets measured (sampled requests accept by typical
+  acceptance, more than the greedy priors say). So a text the heads do not know, sampled
+  requests, or verify steps dearer than warmup found shrink the tree or stop verification; a
+  batch that grows moves to the choice timed for its size; and once the observations that
+  stopped it have aged out of the window, it verifies again and looks. Until warmup has timed the steps
   it verifies the whole tree; heads with no measured acceptance have their whole tree as the
   one candidate, and what the window measures it to accept decides.
 - N: the N-node candidate at every step; 0: never verify.
@@ -96,8 +97,8 @@ TIMED_STEPS = 7  # of each kind, taken in turn
 MIN_TIMED = 8  # steps of a kind in the window before their times correct warmup's
 PROBE_EVERY = 32  # while verifying, a plain step at least this often (the time a plain step takes now)
 PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are in the window
-# A candidate expected at MIN_EXPLORED or more but below MIN_SPEEDUP is still verified every
-# EXPLORE_EVERY steps (EXPLORE_STEPS of them) while the window holds too few verify steps: warmup's times and the
+# A candidate expected at MIN_EXPLORED or more but below MIN_SPEEDUP is still verified, EXPLORE_STEPS
+# steps in every EXPLORE_EVERY, while the window holds too few verify steps: warmup's times and the
 # heads' greedy acceptance misjudge it (measured on tiny-sala, sampled at batch 1: expected 1.07x
 # by warmup, ran at 1.09x; typical acceptance kept 2.22 tokens a step where 1.91 were expected).
 MIN_EXPLORED = 0.8
