@@ -243,8 +243,9 @@ class MedusaDecoding:
         """The choice's step times: median ms of a plain decode step and of each candidate's
         verify step, greedy and sampled, at batch sizes 1, 2, 4, ... up to max_seqs (and
         medusa_max_batch). A batch's candidates are timed smallest first until one of 8 nodes
-        or more is clearly below both the best of them and plain decoding; larger batches are not timed once no candidate pays at one (a verify's
-        cost grows with the batch faster than a decode step's)."""
+        or more is clearly below both the best of them and plain decoding; larger batches are not
+        timed once no candidate pays at one (a verify's cost grows with the batch faster than a
+        decode step's)."""
         choice, cap = self.choice, self.config.max_seqs
         if choice.max_batch is not None:
             cap = min(cap, choice.max_batch)
