@@ -19,57 +19,21 @@ Steps with prompt chunks run eagerly. Where a lightning layer keeps BF16 states 
 verify scans the tree depth by depth (sala/lightning_tree.py), a loop the graph unrolls: then
 each tree has a forward graph of its own, and greedy batches accept eagerly too.
 
-Which tree (`TreeChoice`). A verify step costs more than a decode step (T rows a request, and
-the acceptance after it) and pays for it in accepted tokens; which tree pays best, if any,
-depends on the machine, the batch and the text. The heads come with their tree (the largest
-this engine verifies) and with how often each of its paths was right on the validation text
-they were trained against (MedusaConfig.path_acceptance). Ordered most often right first, every
-prefix of its paths is a tree (tree.by_acceptance), and a tree's expected accept length is 1 +
-the sum of its paths' acceptance. The candidates are the prefixes of CANDIDATE_NODES nodes up to
-the whole tree: nested, so a step may verify any of them (a request's drafts are the heads'
-top-k at every depth, whatever tree reads them). medusa_nodes (the engine setting):
-
-- "auto" (default): warmup times a plain decode step and a verify step of each candidate at
-  batch sizes 1, 2, 4, ... max_seqs, for greedy batches (acceptance compiled on CPU) and for
-  batches with a sampled or logprobs request (eager acceptance); a step of n decoding requests
-  verifies the candidate with the most expected tokens per second,
-      speedup = accept_length(tree) x plain(n) / verify(n, tree),
-  where that is at least MIN_SPEEDUP (1.15), else it decodes plainly (step times interpolated between
-  the batch sizes timed). Both factors are corrected by the last WINDOW_STEPS decode steps
-  (greedy and sampled batches apart). accept_length(tree) is the expected one scaled by what
-  verify steps accepted against what they were expected to (once MIN_OBSERVED requests'
-  verifies are in the window). The step times are scaled by what steps took against warmup's
-  times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
-  warmup times the two kinds of step in turn, one at a time, and that can be wrong for a whole
-  run (on a 2-core VM it timed a plain step at 3.2 ms; back-to-back runs took 2.1 ms). While
-  it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step
-  takes now is known beside what verify steps take (one in PROBE_SOON until MIN_TIMED are).
-  While it decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a
-  row out of every EXPLORE_EVERY verify the top candidate if it is expected at MIN_EXPLORED or
-  more, so that a tree warmup misjudged gets measured (sampled requests accept by typical
-  acceptance, more than the greedy priors say). So a text the heads do not know, sampled
-  requests, or verify steps dearer than warmup found shrink the tree or stop verification; a
-  batch that grows moves to the choice timed for its size; and once the observations that
-  stopped it have aged out of the window, it verifies again and looks. Until warmup has timed the steps
-  it verifies the whole tree; heads with no measured acceptance have their whole tree as the
-  one candidate, and what the window measures it to accept decides.
-- N: the N-node candidate at every step; 0: never verify.
-
-medusa_max_batch caps the batch sizes that may verify. A plain step of a Medusa engine drafts
-only for the prompts it ends (their first tree); the requests it decodes keep their drafts, so
-the first verify after plain steps usually accepts less, never anything wrong. Greedy output
+Which tree a step verifies, if any, is `TreeChoice`'s (sala/engine/tree_choice.py): by default
+the candidate that warmup's step times (`MedusaDecoding.warmup`), the heads' measured acceptance
+and what the last decode steps accepted and took say pays best. medusa_max_batch caps the batch
+sizes that may verify. A plain step of a Medusa engine drafts only for the prompts it ends
+(their first tree); the requests it decodes keep their drafts, so the first verify after plain
+steps usually accepts less, never anything wrong. Greedy output
 does not depend on the choice (every step is lossless); a sampled request's tokens do (typical
 acceptance and plain sampling draw differently), as with vLLM's disable_by_batch_size.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
-from collections import deque
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -80,47 +44,21 @@ from sala.engine.context import StepContext, TreeStep
 from sala.engine.decoding import Emitted, PlainDecoding, StepOutput
 from sala.engine.graphs import CompiledStep, rows_dynamic
 from sala.engine.request import Request, SpecStats
-from sala.engine.stats import ChosenTree, SpeculationStats
+from sala.engine.stats import SpeculationStats
+from sala.engine.tree_choice import MIN_SPEEDUP, TreeChoice, candidate_sizes
 from sala.medusa import accept as medusa_accept
 from sala.medusa.accept import Settled, TreeIndices
 from sala.medusa.tree import MedusaTree, build_tree, by_acceptance, expected_accept_length
 from sala.sampling import InvalidParam, SamplingParams, sample, token_logprobs
 
 log = logging.getLogger(__name__)
-CANDIDATE_NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-WINDOW_STEPS = 512  # decode steps an observed verify counts for
-MIN_OBSERVED = 16  # requests' verifies in the window before they correct the expected acceptance
-# Below it a tree is not chosen: the estimate leaves out drafting at the end of each prompt, the
-# plain probes and the first verify after a plain step (its drafts a token old), and it is noisy.
-MIN_SPEEDUP = 1.15
-TIMED_STEPS = 7  # of each kind, taken in turn
-MIN_TIMED = 8  # steps of a kind in the window before their times correct warmup's
-PROBE_EVERY = 32  # while verifying, a plain step at least this often (the time a plain step takes now)
-PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are in the window
-# A candidate expected at MIN_EXPLORED or more but below MIN_SPEEDUP is still verified, EXPLORE_STEPS
-# steps in every EXPLORE_EVERY, while the window holds too few verify steps: warmup's times and the
-# heads' greedy acceptance misjudge it (measured on tiny-sala, sampled at batch 1: expected 1.07x
-# by warmup, ran at 1.09x; typical acceptance kept 2.22 tokens a step where 1.91 were expected).
-MIN_EXPLORED = 0.8
-EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps drafts from an old token
-VERIFY = -1  # TreeChoice.drift's key for the verify steps of every candidate
-MAX_LOG_DRIFT = 1.0  # a step's time counts as at most e times (at least 1/e) warmup's
+TIMED_STEPS = 7  # warmup times this many steps of each kind, taken in turn
 
 
 def greedy_batch(reqs: list[Request]) -> bool:
     """Greedy requests without logprobs or a grammar only: their verify needs nothing but argmaxes
     (on CPU the compiled greedy verify step; a batch with any other request accepts eagerly)."""
     return all(r.params.greedy and r.params.logprobs is None and r.grammar is None for r in reqs)
-
-
-def candidate_sizes(setting: int | str, nodes: int, measured: bool) -> list[int]:
-    """The node counts of the trees an engine may verify, given medusa_nodes, the heads' tree size
-    and whether its paths' acceptance was measured."""
-    if setting == "auto":
-        return sorted({n for n in CANDIDATE_NODES if n < nodes} | {nodes}) if measured else [nodes]
-    if setting > nodes:
-        raise ValueError(f"medusa_nodes={setting} but the heads' tree has {nodes} nodes: give at most {nodes}, or 'auto'")
-    return [setting] if setting else []
 
 
 class MedusaDecoding:
@@ -177,12 +115,12 @@ class MedusaDecoding:
             raise InvalidParam(name, f"{name} is not supported with Medusa decoding; serve without Medusa to use it")
         req.spec = SpecStats()
 
-    @torch.inference_mode()
     def draft(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
         """Each request's next tree candidates [K, topk] from the heads' input at its row."""
-        if reqs:
-            for r, d in zip(reqs, self.heads.draft_tokens(hidden, self.model.lm_head)):
-                r.drafts = d
+        if reqs:  # most steps end no prompt: not even the inference-mode switch then
+            with torch.inference_mode():
+                for r, d in zip(reqs, self.heads.draft_tokens(hidden, self.model.lm_head)):
+                    r.drafts = d
 
     def settle(self, tree: MedusaTree | TreeIndices, acc: medusa_accept.Accepted, ctx: StepContext,
                tokens: torch.Tensor, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,9 +187,9 @@ class MedusaDecoding:
         choice, cap = self.choice, self.config.max_seqs
         if choice.max_batch is not None:
             cap = min(cap, choice.max_batch)
-        choice.step_ms = {}
+        timed = {}
         for n in sorted({min(2**i, cap) for i in range(cap.bit_length() + 1)} - {0}):
-            row = choice.step_ms[n] = {}
+            row = timed[n] = {}
             for greedy in (True, False):
                 pairs, best = {}, 0.0
                 for nodes in sorted(choice.prior):
@@ -265,8 +203,9 @@ class MedusaDecoding:
                     if speedup < 0.8 * max(best, 1.0) and nodes >= 8:
                         break
                     best = max(best, speedup)
-            if all(choice.best(n, greedy)[0] == 0 for greedy in (True, False)):
+            if max(choice.speedup(row, nodes, greedy) for greedy, nodes in row if nodes) < MIN_SPEEDUP:
                 break
+        choice.step_ms = timed
 
     def _time_pair(self, engine, prompt: list[int], n: int, greedy: bool, nodes: int) -> tuple[float, float]:
         """Median ms of a plain decode step and of a step verifying the `nodes`-node tree, taken
@@ -414,173 +353,6 @@ class TreeVerify:
             gained.append(Emitted(r, accepted, scored))
         medusa.choice.observe(tree.num_nodes - 1, greedy_batch(reqs), len(reqs), sum(len(g.tokens) - 1 for g in gained))
         return gained
-
-
-@dataclass
-class TreeChoice:
-    """Which candidate tree (by node count; 0: none) a step verifies: see the module docstring."""
-
-    prior: dict[int, float | None]  # candidate -> its expected accept length (None: not measured)
-    max_batch: int | None
-    fixed: bool  # medusa_nodes=N: always the one candidate (up to max_batch)
-    # batch size -> {(greedy, nodes): ms of such a step}, measured by warmup (nodes 0: a plain step)
-    step_ms: dict[int, dict[tuple[bool, int], float]] = field(default_factory=dict)
-    force: int | None = None  # set while warmup compiles or times one kind of step
-    # (decode step, greedy, nodes, requests, drafts accepted) of recent verify steps
-    window: deque = field(default_factory=deque)
-    # greedy -> [requests, drafts accepted, drafts the priors expected] over the window, kept as
-    # entries come and go: the choice is made every step, in well under a step's time
-    observed: dict[bool, list] = field(default_factory=lambda: {True: [0, 0, 0.0], False: [0, 0, 0.0]})
-    # (decode step, greedy, nodes, log(ms it took / warmup's time for it)) of recent decode steps
-    timings: deque = field(default_factory=deque)
-    # (greedy, nodes) -> [steps, sum of their log ratios] over `timings`; nodes VERIFY: every candidate's
-    drift: dict[tuple[bool, int], list] = field(default_factory=dict)
-    last_plain: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # last decode step chosen plain
-    steps: int = 0  # decode steps chosen for so far
-
-    def __call__(self, n: int, greedy: bool = True) -> int:
-        """The tree a step with n decoding requests verifies (greedy: all of them are greedy
-        without logprobs); 0: it decodes plainly."""
-        self.steps += 1
-        while self.window and self.window[0][0] <= self.steps - WINDOW_STEPS:
-            self._count(self.window.popleft(), -1)
-        while self.timings and self.timings[0][0] <= self.steps - WINDOW_STEPS:
-            self._time(self.timings.popleft(), -1)
-        if self.force is not None:
-            return self.force
-        if not self.prior or (self.max_batch is not None and n > self.max_batch):
-            return 0
-        if self.fixed or not self.step_ms:
-            return max(self.prior)
-        nodes, speedup = self.top(n, greedy)
-        if speedup >= MIN_SPEEDUP:
-            every = PROBE_EVERY if self.drift.get((greedy, 0), (0,))[0] >= MIN_TIMED else PROBE_SOON
-            if self.steps - self.last_plain[greedy] >= every:
-                nodes = 0  # a probe: what a plain step takes now, beside the verify steps
-        elif not (speedup >= MIN_EXPLORED and self.steps % EXPLORE_EVERY < EXPLORE_STEPS and self._unexplored(greedy)):
-            nodes = 0  # else a look: what verify steps take and accept now, when the window has too few
-        if not nodes:
-            self.last_plain[greedy] = self.steps
-        return nodes
-
-    def best(self, n: int, greedy: bool) -> tuple[int, float]:
-        """The candidate with the most expected tokens/s at n requests and its speedup over plain
-        decoding; (0, 1.0) where none reaches MIN_SPEEDUP."""
-        nodes, speedup = self.top(n, greedy)
-        return (nodes, speedup) if speedup >= MIN_SPEEDUP else (0, 1.0)
-
-    def top(self, n: int, greedy: bool) -> tuple[int, float]:
-        """The candidate with the most expected tokens/s at n requests, and its speedup over plain
-        decoding; (0, 0.0) where none is timed."""
-        times = self.step_times(n)
-        top = (0, 0.0)
-        for nodes in self.prior:
-            if (greedy, nodes) in times and (speedup := self.speedup(times, nodes, greedy)) > top[1]:
-                top = (nodes, speedup)
-        return top
-
-    def _unexplored(self, greedy: bool) -> bool:
-        """Whether the window holds too few verify steps to correct the priors by."""
-        return self.drift.get((greedy, VERIFY), (0,))[0] < MIN_TIMED or self.observed[greedy][0] < MIN_OBSERVED
-
-    def speedup(self, times: dict[tuple[bool, int], float], nodes: int, greedy: bool, live: bool = True) -> float:
-        """Expected tokens/s of verifying the candidate over decoding plainly, by `times` (0: not
-        timed) and, when `live`, corrected by what the window's steps accepted and took."""
-        plain, verify = times.get((greedy, 0), math.inf), times.get((greedy, nodes), math.inf)
-        if not math.isfinite(plain) or not math.isfinite(verify):  # not timed
-            return 0.0
-        if not live:
-            return (self.prior[nodes] or 1.0) * plain / verify
-        return self.accept_length(nodes, greedy) * plain / verify * self.time_scale(nodes, greedy)
-
-    def time_scale(self, nodes: int, greedy: bool) -> float:
-        """How much cheaper than warmup measured them the window's steps found verify steps of the
-        candidate against plain ones: each kind's steps took exp(mean log(took / warmup's time))
-        of what warmup's times predict at their batch sizes. A candidate with too few steps in
-        the window is taken as the window's verify steps of every candidate; 1 where plain or
-        verify steps are too few (warmup's ratio stands)."""
-        plain = self._mean_drift((greedy, 0))
-        if plain is None:
-            return 1.0
-        verify = self._mean_drift((greedy, nodes))
-        if verify is None and (verify := self._mean_drift((greedy, VERIFY))) is None:
-            return 1.0
-        return math.exp(plain - verify)
-
-    def _mean_drift(self, key: tuple[bool, int]) -> float | None:
-        count, total = self.drift.get(key, (0, 0.0))
-        return total / count if count >= MIN_TIMED else None
-
-    def accept_length(self, nodes: int, greedy: bool) -> float:
-        """Tokens a verify step of the candidate is expected to yield now: its prior scaled by what
-        the window's verify steps accepted against their trees' priors."""
-        prior = self.prior[nodes]
-        requests, accepted, expected = self.observed[greedy]
-        if prior is None:  # nothing measured with the heads: what the window saw, else try it
-            return 1 + accepted / requests if requests >= MIN_OBSERVED else math.inf
-        scale = accepted / expected if requests >= MIN_OBSERVED and expected > 0 else 1.0
-        return 1 + scale * (prior - 1)
-
-    def observe(self, nodes: int, greedy: bool, requests: int, accepted: int) -> None:
-        """A verify step of the `nodes` candidate in which `requests` requests accepted `accepted`
-        drafts. Not counted: warmup's steps (a token of no text), and a verify right after a plain
-        step, whose drafts are a token old (what the choice weighs is what verifying in a row yields)."""
-        if self.force is None and self.last_plain[greedy] != self.steps - 1:
-            self.window.append(entry := (self.steps, greedy, nodes, requests, accepted))
-            self._count(entry, 1)
-
-    def timed(self, nodes: int, greedy: bool, requests: int, ms: float) -> None:
-        """A decode step (no prompt work) of `requests` requests, verifying the `nodes` candidate
-        (0: plain), took `ms`."""
-        if self.force is None and self.step_ms and (predicted := self.step_times(requests).get((greedy, nodes))):
-            ratio = min(max(math.log(ms / predicted), -MAX_LOG_DRIFT), MAX_LOG_DRIFT)  # a pause is not the step's cost
-            self.timings.append(entry := (self.steps, greedy, nodes, ratio))
-            self._time(entry, 1)
-
-    def _time(self, entry: tuple, sign: int) -> None:
-        _, greedy, nodes, ratio = entry
-        for key in ((greedy, nodes), (greedy, VERIFY)) if nodes else ((greedy, 0),):
-            totals = self.drift.setdefault(key, [0, 0.0])
-            totals[0] += sign
-            totals[1] += sign * ratio
-
-    def _count(self, entry: tuple, sign: int) -> None:
-        _, greedy, nodes, requests, accepted = entry
-        totals = self.observed[greedy]
-        totals[0] += sign * requests
-        totals[1] += sign * accepted
-        totals[2] += sign * requests * ((self.prior[nodes] or 1) - 1)
-
-    def table(self) -> tuple[ChosenTree, ...]:
-        """The choice now at each batch size warmup timed, greedy and sampled."""
-        rows = []
-        for n in sorted(self.step_ms):
-            for greedy in (True, False):
-                nodes, speedup = self.best(n, greedy)
-                rows.append(ChosenTree(batch=n, greedy=greedy, nodes=nodes, speedup=speedup,
-                                       warmup_speedup=self.speedup(self.step_times(n), nodes, greedy, live=False) if nodes else 1.0,
-                                       accept_length=self.accept_length(nodes, greedy) if nodes else 1.0))
-        return tuple(rows)
-
-    @contextmanager
-    def forcing(self, nodes: int):
-        """Every step verifies the `nodes` candidate (0: decodes plainly) inside the block: warmup's compiling and timing."""
-        self.force = nodes
-        try:
-            yield
-        finally:
-            self.force = None
-
-    def step_times(self, n: int) -> dict[tuple[bool, int], float]:
-        """ms of each kind of step at n requests: linear between the batch sizes timed, the
-        nearest one's outside them (a kind timed at only one of the two: not known)."""
-        sizes = sorted(self.step_ms)
-        i = bisect.bisect_left(sizes, n)
-        if i == 0 or i == len(sizes):
-            return self.step_ms[sizes[min(i, len(sizes) - 1)]]
-        lo, hi = self.step_ms[sizes[i - 1]], self.step_ms[sizes[i]]
-        w = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-        return {k: (1 - w) * lo[k] + w * hi[k] for k in lo.keys() & hi.keys()}
 
 
 class CompiledTreeVerify(CompiledStep):

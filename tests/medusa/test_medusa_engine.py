@@ -193,7 +193,7 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     assert set(timed) <= {1, 2} and 1 in timed and {(True, 0), (True, 1), (False, 0), (False, 1)} <= set(timed[1])
     assert all(0 < ms < 1e3 for row in timed.values() for ms in row.values())
     assert medusa.totals.verify_steps == 0 and engine.counts.generated_tokens == 0  # warmup's steps are not traffic
-    assert not medusa.choice.window
+    assert not medusa.choice.accepted.entries
     # What a replica's /metrics says of the choice.
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
@@ -221,7 +221,7 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     assert set(calls) == {2, 5, 64} and medusa.totals.accept_length > 1.3
     # With the choice left to itself, every decode step with no prompt work is timed against
     # warmup's time for its kind, and nothing else is (the forced steps above were not).
-    assert not medusa.choice.timings
+    assert not medusa.choice.plain_times.entries and not medusa.choice.verify_times.entries
     steps = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
@@ -229,7 +229,9 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     del engine.scheduler.schedule
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
     pure = [s.decoding.rows - 1 for s in steps if s.decodes and not s.prefills]
-    assert [nodes for _, _, nodes, _ in medusa.choice.timings] == pure and len(pure) > N_NEW
+    timed = sorted([(step, 0) for step, _, _ in medusa.choice.plain_times.entries]
+                   + [(step, keys[0][1]) for step, keys, _ in medusa.choice.verify_times.entries])
+    assert [nodes for _, nodes in timed] == pure and len(pure) > N_NEW
 
 
 def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, tiny_sala_dir):
@@ -263,7 +265,7 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
     priors; a candidate short of MIN_SPEEDUP but not of MIN_EXPLORED verified now and then while
     the window has too few verify steps; observations age out after WINDOW_STEPS decode steps,
     and then it verifies again."""
-    from sala.engine.medusa_decoding import (
+    from sala.engine.tree_choice import (
         EXPLORE_EVERY,
         EXPLORE_STEPS,
         MIN_OBSERVED,
@@ -300,7 +302,7 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
     assert choice(1) == 0
     choice.steps += 1  # the next decode step, a verify
     choice.observe(1, True, requests=1, accepted=0)
-    assert choice.observed[True][0] == MIN_OBSERVED
+    assert choice.accepted[True][0] == MIN_OBSERVED
     assert choice.accept_length(4, True) == pytest.approx(1.25) and choice.accept_length(16, True) == pytest.approx(1.35)
     # n = 1: 1.125 x 2 / 2.5 = 0.9, 1.25 x 2 / 3 = 0.83: plain.
     assert choice(1) == 0 and choice(4) == 0 and choice.accept_length(4, False) == 2.0  # sampled steps: their own window
@@ -324,7 +326,7 @@ def test_tree_choice_corrects_warmups_step_times_by_the_steps_it_takes():
     are in the window) to know what one takes now."""
     import math
 
-    from sala.engine.medusa_decoding import MAX_LOG_DRIFT, MIN_TIMED, PROBE_EVERY, PROBE_SOON, WINDOW_STEPS, TreeChoice
+    from sala.engine.tree_choice import MAX_LOG_DRIFT, MIN_TIMED, PROBE_EVERY, PROBE_SOON, VERIFY, WINDOW_STEPS, TreeChoice
 
     choice = TreeChoice(prior={1: 1.5, 4: 2.0}, max_batch=None, fixed=False)
     choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.0, (False, 0): 2.0},
@@ -356,20 +358,56 @@ def test_tree_choice_corrects_warmups_step_times_by_the_steps_it_takes():
     assert (row.batch, row.nodes, row.speedup, row.warmup_speedup) == (1, 1, pytest.approx(1.2), pytest.approx(1.2))
     # A pause counts as at most e times warmup's step time; sampled steps keep a drift of their own.
     choice.timed(0, False, 1, 1e6)
-    assert choice.drift[(False, 0)] == [1, MAX_LOG_DRIFT] and choice.time_scale(1, False) == 1.0
+    assert choice.plain_times[False] == [1, MAX_LOG_DRIFT] and choice.time_scale(1, False) == 1.0
     # Probes: verifying, at least one decode step in PROBE_EVERY is plain.
     picks = [choice(1) for _ in range(3 * PROBE_EVERY)]
     assert picks.count(0) == 3 and set(picks) == {0, 1} and picks[PROBE_EVERY - 1] == 0, picks  # the last plain step: two before the first pick
     # Timings age out with the window: warmup's times stand again.
     while choice.steps < WINDOW_STEPS + 100:
         choice(1)
-    assert not choice.timings and all(n == 0 for n, _ in choice.drift.values()) and (True, -1) in choice.drift
+    assert not choice.plain_times.entries and not choice.verify_times.entries
+    assert all(n == 0 for window in (choice.plain_times, choice.verify_times) for n, _ in window.sums.values())
+    assert (True, VERIFY) in choice.verify_times.sums
     assert choice.time_scale(4, True) == 1.0 and choice(1) == 4
     # Warmup's own steps (forced) are not counted.
     with choice.forcing(4):
         choice.timed(4, True, 1, 3.0)
-    assert not choice.timings
-    assert math.isclose(choice.drift[(True, 0)][1], 0.0, abs_tol=1e-9)
+    assert not choice.plain_times.entries and not choice.verify_times.entries
+    assert math.isclose(choice.plain_times[True][1], 0.0, abs_tol=1e-9)
+
+
+def test_tree_choice_weighs_the_candidates_again_whenever_what_it_weighs_them_by_changes():
+    """The choice is made every decode step from what it remembers of the last weighing at that
+    batch size: acceptance entering the window, a new set of warmup times, or plain steps' times
+    becoming many enough to compare verify steps' by must each change it as the rule says."""
+    from sala.engine.tree_choice import MIN_OBSERVED, MIN_TIMED, TreeChoice
+
+    def weighed() -> TreeChoice:
+        # n = 1: 1.5 x 2 / 2.5 = 1.2, 2 x 2 / 3 = 1.33 -> 4 nodes
+        choice = TreeChoice(prior={1: 1.5, 4: 2.0}, max_batch=None, fixed=False, steps=10)
+        choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.0}}
+        assert choice.best(1, True) == (4, pytest.approx(4 / 3))
+        return choice
+
+    # Verify steps that accept nothing: accept lengths 1 -> 0.8x and 0.67x, plain.
+    choice = weighed()
+    for _ in range(MIN_OBSERVED):
+        choice.steps += 1
+        choice.observe(4, True, requests=1, accepted=0)
+    assert choice.best(1, True) == (0, 1.0)
+    # New warmup times: a one-node verify at 1 ms -> 1.5 x 2 / 1 = 3x.
+    choice = weighed()
+    choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 1.0, (True, 4): 3.0}}
+    assert choice.best(1, True) == (1, pytest.approx(3.0))
+    # Verify steps took twice warmup's time; it counts only once plain steps are timed beside them
+    # (as warmup said): then 1.33 / 2 and 1.2 / 2, plain.
+    choice = weighed()
+    for _ in range(MIN_TIMED):
+        choice.timed(4, True, 1, 6.0)
+    assert choice.best(1, True) == (4, pytest.approx(4 / 3))
+    for _ in range(MIN_TIMED):
+        choice.timed(0, True, 1, 2.0)
+    assert choice.best(1, True) == (0, 1.0) and choice.time_scale(4, True) == pytest.approx(0.5)
 
 
 def test_medusa_settings_parse_and_name_what_is_wrong():

@@ -319,7 +319,7 @@ def test_medusa_generation_is_lossless_and_logs_each_actors_tree_choice(tiny_sal
     assert list(pq.read_table(str(out)).to_pandas()["generated_text"]) == [c.text for c in expected]
     import mlflow
 
-    from sala.engine.medusa_decoding import MIN_SPEEDUP
+    from sala.engine.tree_choice import MIN_SPEEDUP
 
     mlflow.set_tracking_uri(mlflow_store)
     (run,) = mlflow.search_runs(experiment_names=["generate"], output_format="list")
