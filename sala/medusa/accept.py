@@ -51,6 +51,13 @@ class Settled(NamedTuple):
     drafts: torch.Tensor
 
 
+def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [R, ..., V] -> each request's distribution at its temperature [R] (a greedy row's,
+    temperature 0, at 1: read by no one), in tensor ops alone."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return torch.softmax(logits / t.view(-1, *[1] * (logits.dim() - 1)), dim=-1)  # as filtered_probs with no cut
+
+
 def node_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams],
                     threshold: float = TYPICAL_THRESHOLD, alpha: float = TYPICAL_ALPHA) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [R, T], logits [R, T, V] fp32 -> (ok [R, T] bool, logp [R, T]: each node token's
@@ -64,14 +71,20 @@ def node_acceptable(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor
         rows = torch.tensor(sampled, device=logits.device)
         parent_logits = logits[rows][:, parents]  # [S, T, V]
         probs = filtered_probs(parent_logits.flatten(0, 1), [params[i] for i in sampled for _ in range(t)])
-        probs = probs.view(len(sampled), t, -1)
-        p_tok = probs.gather(-1, tokens[rows][..., None])[..., 0]
-        entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)
-        ok[rows] = p_tok > torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
-        logp[rows] = torch.log(p_tok.clamp(min=1e-30))
+        ok[rows], logp[rows] = typical_acceptable(probs.view(len(sampled), t, -1), tokens[rows], threshold, alpha)
         ok[:, 0] = True
         logp[:, 0] = 0
     return ok, logp
+
+
+def typical_acceptable(probs: torch.Tensor, tokens: torch.Tensor, threshold: float, alpha: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typical acceptance of tokens [S, T] under their parents' distributions probs [S, T, V]:
+    (ok, the tokens' log-probabilities)."""
+    p_tok = probs.gather(-1, tokens[..., None])[..., 0]
+    entropy = -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1)
+    ok = p_tok > torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    return ok, torch.log(p_tok.clamp(min=1e-30))
 
 
 def greedy_acceptable(tree: MedusaTree | TreeIndices, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -97,6 +110,21 @@ def accept_greedy(tree: MedusaTree | TreeIndices, tokens: torch.Tensor, logits: 
     per-request Python): what the compiled verify step runs. A greedy chain is unique (siblings
     carry distinct tokens, at most one of them is the argmax), so no score breaks ties."""
     return longest_path(tree, greedy_acceptable(tree, tokens, logits), None, max_nodes)
+
+
+def accept_tempered(tree: MedusaTree | TreeIndices, tokens: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
+                    max_nodes: torch.Tensor, threshold: float, alpha: float) -> Accepted:
+    """`accept` in tensor ops alone for requests whose only sampling control is their
+    temperature [R] (0: greedy, accepted as `accept_greedy`): what the compiled verify step of
+    a batch with sampled requests runs."""
+    greedy = (temperature == 0)[:, None]
+    ok, logp = typical_acceptable(tempered_probs(logits[:, tree.parents.clamp(min=0)], temperature), tokens, threshold,
+                                  alpha)
+    ok = torch.where(greedy, greedy_acceptable(tree, tokens, logits), ok)
+    ok[:, 0] = True
+    logp = torch.where(greedy, torch.zeros_like(logp), logp)
+    logp[:, 0] = 0
+    return longest_path(tree, ok, logp, max_nodes)
 
 
 def longest_path(tree: MedusaTree | TreeIndices, ok: torch.Tensor, logp: torch.Tensor | None,

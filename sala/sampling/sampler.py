@@ -53,6 +53,14 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [n, V], u [n] float64 uniforms -> the first token of each row whose cumulative mass
+    exceeds u * total: tokens of zero mass are never drawn."""
+    cdf = probs.double().cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
+    return drawn.clamp(max=probs.shape[-1] - 1)
+
+
 def sample(logits: torch.Tensor, requests: list[Sequence], eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """logits [n, V] fp32, one row per request -> the next token of each (eos_ids: what min_tokens holds back)."""
     logits = adjust_logits(logits, requests, eos_ids)
@@ -62,12 +70,13 @@ def sample(logits: torch.Tensor, requests: list[Sequence], eos_ids: set[int] | f
     if rows:
         index = torch.tensor(rows, device=logits.device)
         probs = filtered_probs(logits[index], [requests[i].params for i in rows])
-        u = torch.cat([torch.rand(1, generator=requests[i].generator, dtype=torch.float64) for i in rows])
-        cdf = probs.double().cumsum(-1)
-        # The first token whose cumulative mass exceeds u * total: tokens of zero mass are never drawn.
-        drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
-        tokens[index] = drawn.clamp(max=logits.shape[-1] - 1)
+        tokens[index] = inverse_cdf(probs, uniforms([requests[i] for i in rows]))
     return tokens.tolist()
+
+
+def uniforms(requests: list[Sequence]) -> torch.Tensor:
+    """[n] float64: the next uniform of each request's generator (a request draws one a step)."""
+    return torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in requests])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_k: list[int]) -> list[TokenLogprob]:
