@@ -47,7 +47,7 @@ def with_pages(num_pages: int, **settings) -> Parts:
 
 
 def request(n_prompt: int, max_tokens: int = 8, first: int = 1, **params) -> Request:
-    return Request(list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+    return Request(list(range(first, first + n_prompt)), SamplingParams(**{"max_tokens": max_tokens, "temperature": 0} | params),
                    None, lambda out: None)
 
 

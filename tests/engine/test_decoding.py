@@ -61,6 +61,23 @@ def test_medusa_chooses_its_step_by_the_policy_and_refuses_what_it_cannot_honour
     assert r.spec is not None and r.spec.verify_steps == 0
 
 
+def test_auto_verifies_only_the_batches_a_compiled_graph_accepts():
+    """Where verify steps compile (CPU), "auto" verifies greedy batches and batches sampled by
+    temperature alone; a batch with a top-p, top-k or logprobs request decodes plainly (its
+    acceptance would run eagerly, which warmup does not time). A fixed tree verifies them all,
+    and so does "auto" where nothing compiles (every kind of step is then timed eagerly)."""
+    medusa = build(medusa=True, compile=True, max_seqs=4).decoding
+    whole = medusa.verifies[6]
+    assert medusa.for_step([request(4)]) is whole and medusa.for_step([request(4), request(4, temperature=0.7)]) is whole
+    for odd in ({"top_p": 0.9}, {"top_k": 5}, {"logprobs": 1}):
+        assert medusa.for_step([request(4), request(4, temperature=0.7, **odd)]) is medusa.plain_step, odd
+    assert medusa.for_step([request(4, logprobs=1)]) is medusa.plain_step
+    fixed = build(medusa=True, compile=True, max_seqs=4, medusa_nodes=6).decoding
+    assert fixed.for_step([request(4, temperature=0.7, top_p=0.9)]) is fixed.verifies[6]
+    eager = build(medusa=True, max_seqs=4).decoding
+    assert eager.for_step([request(4, temperature=0.7, top_p=0.9)]) is eager.verifies[6]
+
+
 def test_verify_emits_the_acceptable_path_then_the_bonus_and_commits_only_it():
     p = build(medusa=True, max_seqs=4)
     medusa, cache = p.decoding, p.cache
