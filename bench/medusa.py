@@ -214,8 +214,7 @@ def main(argv=None) -> int:
     chosen = [dataclasses.asdict(t) for t in medusa.stats().speculation.trees]
     out = {"bench": "medusa", "model": str(path), "prompts": len(prompts), "max_tokens": args.max_tokens,
            "greedy_identical": lossless, "choice": medusa.decoding.describe(), "chosen_trees": chosen,
-           "step_ms": {str(n): {f"{'greedy' if g else 'sampled'}_{k}": ms for (g, k), ms in row.items()}
-                       for n, row in choice.step_ms.items()},
+           "step_ms": choice.named_times(),
            "by_batch": results}
     if args.uniform:
         from sala.medusa.train import accept_length

@@ -362,8 +362,7 @@ def log_tree_choice(engine, tracking_uri: str, run_id: str) -> None:
 
     medusa = engine.decoding
     choice = {"describe": medusa.describe(), "trees": [dataclasses.asdict(t) for t in engine.stats().speculation.trees],
-              "step_ms": {str(n): {f"{'greedy' if g else 'sampled'}_{k}": ms for (g, k), ms in row.items()}
-                          for n, row in medusa.choice.step_ms.items()}}
+              "step_ms": medusa.choice.named_times()}
     try:
         MlflowClient(tracking_uri).log_dict(run_id, choice, f"medusa_trees/{socket.gethostname()}-{os.getpid()}.json")
     except Exception as e:  # noqa: BLE001 - whatever the tracking store raises

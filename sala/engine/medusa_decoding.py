@@ -47,27 +47,33 @@ from sala.engine.decoding import Emitted, PlainDecoding, StepOutput
 from sala.engine.graphs import CompiledStep, rows_dynamic
 from sala.engine.request import Request, SpecStats
 from sala.engine.stats import SpeculationStats
-from sala.engine.tree_choice import MIN_SPEEDUP, TreeChoice, candidate_sizes
+from sala.engine.tree_choice import MIN_SPEEDUP, PROBE, TreeChoice, candidate_sizes
 from sala.medusa import accept as medusa_accept
 from sala.medusa.accept import Settled, TreeIndices, tempered_probs
 from sala.medusa.tree import MedusaTree, build_tree, by_acceptance, expected_accept_length
 from sala.sampling import InvalidParam, SamplingParams, inverse_cdf, sample, token_logprobs, uniforms
 
 log = logging.getLogger(__name__)
-TIMED_STEPS = 7  # warmup times this many steps of each kind, taken in turn
+# Warmup times each kind of step TIMED_BLOCK steps in a row, in turn, TIMED_ROUNDS times: a plain
+# step right after verify steps takes longer than one after plain steps (at batch 1 on the 2-core VM
+# 2.1 ms against 1.6, within 10% after SETTLED plain steps), and the choice weighs runs of each kind.
+TIMED_BLOCK, TIMED_ROUNDS, SETTLED = 6, 3, 3
+
+# What a verify step accepts by (`step_kind`).
+GREEDY = "greedy"  # greedy requests without logprobs or a grammar: argmaxes alone
+TEMPERED = "tempered"  # ... and sampled ones whose only control is their temperature: typical acceptance
+EAGER = "eager"  # any other batch: acceptance with every control, eagerly
 
 
-def tempered_only(r: Request, vocab: int) -> bool:
-    """A request whose verify the compiled sampled step can accept: no logprobs, no grammar, no
-    top-k or top-p (see CompiledSampledVerify)."""
-    p = r.params
-    return p.logprobs is None and r.grammar is None and p.top_p >= 1 and not 0 < p.top_k < vocab
-
-
-def greedy_batch(reqs: list[Request]) -> bool:
-    """Greedy requests without logprobs or a grammar only: their verify needs nothing but argmaxes
-    (on CPU the compiled greedy verify step; a batch with any other request accepts eagerly)."""
-    return all(r.params.greedy and r.params.logprobs is None and r.grammar is None for r in reqs)
+def step_kind(reqs: list[Request], vocab: int) -> str:
+    """GREEDY, TEMPERED or EAGER for a batch of these requests: on CPU the first two verify in
+    one compiled graph each (CompiledGreedyVerify, CompiledSampledVerify)."""
+    if any(r.params.logprobs is not None or r.grammar is not None for r in reqs):
+        return EAGER
+    if all(r.params.greedy for r in reqs):
+        return GREEDY
+    return TEMPERED if all(r.params.greedy or (r.params.top_p >= 1 and not 0 < r.params.top_k < vocab)
+                           for r in reqs) else EAGER
 
 
 class MedusaDecoding:
@@ -104,21 +110,22 @@ class MedusaDecoding:
         # the forward (at batch 1, 4 nodes: 3.8 ms against 3.4).
         self.compiled_only = shared and config.medusa_nodes == "auto"
         self.vocab = model.config.vocab_size
+        # The step in flight's kind (step_kind): for_step, the run, emit and took are one step's, in that order.
+        self.kind = GREEDY
 
     def for_step(self, decoding: list[Request]):
         """The chosen tree's verify step for these decoding requests, or a plain one."""
         if not decoding:
             return self.plain_step
-        greedy = greedy_batch(decoding)
-        if not greedy and self.compiled_only and not all(tempered_only(r, self.vocab) for r in decoding):
-            return self.plain_step
-        nodes = self.choice(len(decoding), greedy)
+        self.kind = step_kind(decoding, self.vocab)
+        nodes = self.choice(len(decoding), self.kind == GREEDY, verifiable=not (self.compiled_only and self.kind == EAGER))
         return self.verifies[nodes] if nodes else self.plain_step
 
     def took(self, batch, seconds: float) -> None:
-        """A step took `seconds`: a decode step's time corrects the choice's (see TreeChoice.time_scale)."""
-        if batch.decodes and not batch.prefills:
-            self.choice.timed(batch.decoding.rows - 1, greedy_batch(batch.decodes), len(batch.decodes), 1e3 * seconds)
+        """A step took `seconds`: a decode step's time corrects the choice's (see TreeChoice.time_scale).
+        Warmup times greedy and tempered batches: the steps of an eager one are not compared with them."""
+        if batch.decodes and not batch.prefills and self.kind != EAGER:
+            self.choice.timed(batch.decoding.rows - 1, self.kind == GREEDY, len(batch.decodes), 1e3 * seconds)
 
     def compiled_steps(self) -> list:
         graphs = {id(g): g for v in self.verifies.values() for g in (v.fast_verify, v.fast_greedy, v.fast_sampled)
@@ -198,12 +205,12 @@ class MedusaDecoding:
             log.info(self.describe())
 
     def _time_steps(self, engine, prompt: list[int]) -> None:
-        """The choice's step times: median ms of a plain decode step and of each candidate's
-        verify step, greedy and sampled, at batch sizes 1, 2, 4, ... up to max_seqs (and
-        medusa_max_batch). A batch's candidates are timed smallest first until one of 8 nodes
-        or more is clearly below both the best of them and plain decoding; larger batches are not
-        timed once no candidate pays at one (a verify's cost grows with the batch faster than a
-        decode step's)."""
+        """The choice's step times: median ms of a plain decode step, of a plain step right after
+        verify steps (PROBE) and of each candidate's verify step, greedy and sampled, at batch
+        sizes 1, 2, 4, ... up to max_seqs (and medusa_max_batch). A batch's candidates are timed
+        smallest first until one of 8 nodes or more is clearly below both the best of them and
+        plain decoding; larger batches are not timed once no candidate pays at one (a verify's
+        cost grows with the batch faster than a decode step's)."""
         choice, cap = self.choice, self.config.max_seqs
         if choice.max_batch is not None:
             cap = min(cap, choice.max_batch)
@@ -211,45 +218,55 @@ class MedusaDecoding:
         for n in sorted({min(2**i, cap) for i in range(cap.bit_length() + 1)} - {0}):
             row = timed[n] = {}
             for greedy in (True, False):
-                pairs, best = {}, 0.0
+                runs, best = {}, 0.0
                 for nodes in sorted(choice.prior):
-                    pairs[nodes] = self._time_pair(engine, prompt, n, greedy, nodes)
-                    # Each verify time against the plain steps timed beside it, scaled to the plain
-                    # time of the whole batch size: the machine's speed drifts between pairs.
-                    plain = row[(greedy, 0)] = median([p for p, _ in pairs.values()])
-                    row.update({(greedy, k): v * plain / p for k, (p, v) in pairs.items()})
+                    runs[nodes] = self._time_runs(engine, prompt, n, greedy, nodes)
+                    # Each time against the plain steps timed beside it, scaled to the plain time of the
+                    # whole batch size: the machine's speed drifts between candidates.
+                    plain = row[(greedy, 0)] = median([p for p, _, _ in runs.values()])
+                    row[(greedy, PROBE)] = plain * median([probe / p for p, probe, _ in runs.values()])
+                    row.update({(greedy, k): v * plain / p for k, (p, _, v) in runs.items()})
                     speedup = choice.speedup(row, nodes, greedy)
                     # Past the best tree and past plain decoding: a verify's fixed cost makes small trees no guide.
                     if speedup < 0.8 * max(best, 1.0) and nodes >= 8:
                         break
                     best = max(best, speedup)
-            if max(choice.speedup(row, nodes, greedy) for greedy, nodes in row if nodes) < MIN_SPEEDUP:
+            if max(choice.speedup(row, nodes, greedy) for greedy, nodes in row if nodes > 0) < MIN_SPEEDUP:
                 break
         choice.step_ms = timed
 
-    def _time_pair(self, engine, prompt: list[int], n: int, greedy: bool, nodes: int) -> tuple[float, float]:
-        """Median ms of a plain decode step and of a step verifying the `nodes`-node tree, taken
-        in turn over n decoding requests (steps with no prompt work)."""
+    def _time_runs(self, engine, prompt: list[int], n: int, greedy: bool, nodes: int) -> tuple[float, float, float]:
+        """Median ms, over n decoding requests (steps with no prompt work), of a plain decode step
+        SETTLED or more steps into a run of them, of the first plain step after verify steps, and
+        of a verify step of the `nodes` tree after another: TIMED_ROUNDS runs of TIMED_BLOCK steps
+        of each kind in turn."""
         depth = self.verifies[nodes].tree.max_depth
-        params = SamplingParams(max_tokens=min(TIMED_STEPS * (depth + 2) + 8, self.cache.max_tokens - 1),
+        tokens = TIMED_ROUNDS * TIMED_BLOCK * (depth + 2) + 8
+        params = SamplingParams(max_tokens=min(tokens, self.cache.max_tokens - 1),
                                 temperature=0 if greedy else 1, seed=0, ignore_eos=True)
         reqs = [engine.add_request(prompt, params) for _ in range(n)]
-        ms = {0: [], nodes: []}
-        with self.choice.forcing(0):
-            while min(map(len, ms.values())) < TIMED_STEPS and engine.has_work():
+        ms = {"plain": [], "probe": [], "verify": []}
+        taken = 0  # steps timed: verify runs first, so that every plain run but none follows verify steps
+        with self.choice.forcing(nodes):
+            while taken < 2 * TIMED_ROUNDS * TIMED_BLOCK and engine.has_work():
                 before = engine.stats()
                 pure = before.waiting == 0 and not any(r.prefilling for r in reqs if not r.finish_reason)
+                at = taken % TIMED_BLOCK
+                self.choice.force = nodes if taken // TIMED_BLOCK % 2 == 0 else 0
                 t0 = time.perf_counter()
                 engine.step()
-                elapsed = time.perf_counter() - t0
+                elapsed = 1e3 * (time.perf_counter() - t0)
                 if pure and engine.stats().running == n:
-                    ms[self.choice.force].append(1e3 * elapsed)
-                    self.choice.force = nodes - self.choice.force  # the other kind next
+                    if self.choice.force:
+                        ms["verify"] += [elapsed] if at else []
+                    else:
+                        ms["probe" if at == 0 else "plain"] += [elapsed] if at == 0 or at >= SETTLED else []
+                    taken += 1
         for r in reqs:
             engine.cancel(r)
         while engine.has_work():
             engine.step()
-        return median(ms[0]), median(ms[nodes])
+        return median(ms["plain"]), median(ms["probe"]), median(ms["verify"])
 
 
 def median(values: list[float]) -> float:
@@ -310,13 +327,15 @@ class TreeVerify:
     def run_compiled(self, ids: torch.Tensor, ctx: StepContext, reqs: list[Request]) -> StepOutput | None:
         """Through the compiled graphs (CPU); None where there are none (or compiling failed)."""
         tokens = ids.view(len(reqs), -1)
-        decided = None
-        if self.fast_greedy is not None and greedy_batch(reqs):
+        decided, kind = None, self.medusa.kind
+        if kind == GREEDY and self.fast_greedy is not None:
             decided = self.fast_greedy(self.indices, tokens, ctx, self._room(reqs))
-        elif self.fast_sampled is not None and all(tempered_only(r, self.medusa.vocab) for r in reqs):
+        elif kind == TEMPERED and self.fast_sampled is not None:
             dev = tokens.device
             temperature = torch.tensor([r.params.temperature for r in reqs], device=dev)
-            u = torch.tensor([0.0 if r.params.greedy else uniforms([r]).item() for r in reqs], dtype=torch.float64)
+            sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+            u = torch.zeros(len(reqs), dtype=torch.float64)
+            u[sampled] = uniforms([reqs[i] for i in sampled])
             decided = self.fast_sampled(self.indices, tokens, ctx, self._room(reqs), temperature, u.to(dev))
         if decided is not None:  # None: compiling failed (or no such graph), accept eagerly
             return StepOutput(ids, ctx, decided=Settled(*decided))
@@ -377,7 +396,7 @@ class TreeVerify:
             if r.params.logprobs is not None:  # token j is scored by the logits of the node before it (eager path only)
                 scored = token_logprobs(logits[i, paths[i][:n]], accepted, [r.params.logprobs] * n)
             gained.append(Emitted(r, accepted, scored))
-        medusa.choice.observe(tree.num_nodes - 1, greedy_batch(reqs), len(reqs), sum(len(g.tokens) - 1 for g in gained))
+        medusa.choice.observe(tree.num_nodes - 1, medusa.kind == GREEDY, len(reqs), sum(len(g.tokens) - 1 for g in gained))
         return gained
 
 
@@ -450,7 +469,7 @@ class CompiledGreedyVerify(CompiledTreeVerify):
 
 class CompiledSampledVerify(CompiledGreedyVerify):
     """`CompiledGreedyVerify` for a batch with sampled requests whose only sampling control is
-    their temperature (`tempered_only`): typical acceptance at each request's temperature, the
+    their temperature (`step_kind` TEMPERED): typical acceptance at each request's temperature, the
     bonus token drawn at the last accepted node by the uniform the request's generator gave
     before the step (as `sample` would draw it after), greedy rows as in the greedy graph.
     Eagerly the acceptance, draw and commit after the forward cost more than the forward

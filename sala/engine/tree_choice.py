@@ -10,10 +10,11 @@ its paths' acceptance. The candidates are the prefixes of CANDIDATE_NODES nodes 
 tree: nested, so a step may verify any of them (a request's drafts are the heads' top-k at every
 depth, whatever tree reads them). medusa_nodes (the engine setting):
 
-- "auto" (default): warmup (MedusaDecoding.warmup) times a plain decode step and a verify step
-  of each candidate at batch sizes 1, 2, 4, ... max_seqs, for greedy batches (acceptance
-  compiled on CPU) and for batches with a sampled or logprobs request (eager acceptance); a step
-  of n decoding requests verifies the candidate with the most expected tokens per second,
+- "auto" (default): warmup (MedusaDecoding.warmup) times a plain decode step, a plain step right
+  after verify steps (a probe) and a verify step of each candidate at batch sizes 1, 2, 4, ...
+  max_seqs, for greedy batches and for sampled ones (on CPU: sampled by temperature alone, the
+  batches a compiled graph accepts); a step of n decoding requests verifies the candidate with
+  the most expected tokens per second,
       speedup = accept_length(tree) x plain(n) / verify(n, tree),
   where that is at least MIN_SPEEDUP, else it decodes plainly (step times interpolated between
   the batch sizes timed). Both factors are corrected by the last WINDOW_STEPS decode steps
@@ -21,8 +22,11 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   verify steps accepted against what they were expected to (once MIN_OBSERVED requests'
   verifies are in the window). The step times are scaled by what steps took against warmup's
   times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
-  warmup times the two kinds of step in turn, one at a time, and that can be wrong for a whole
-  run (on a 2-core VM it timed a plain step at 3.2 ms; back-to-back runs took 2.1 ms). While
+  the machine's speed drifts over a run (by up to 2x over a minute on a 2-core VM). Each step
+  is compared with warmup's time for a step taken as it was: a plain step right after a verify
+  step takes longer than one after plain steps (on a 2-core VM 2.1 ms against 1.6, about six
+  steps to recover: the verify step's code and data displace the plain step's), so the first
+  is compared with the probe's time, and a verify right after a plain step is not timed. While
   it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step
   takes now is known beside what verify steps take (one in PROBE_SOON until MIN_TIMED are).
   While it decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a
@@ -68,6 +72,7 @@ PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are 
 MIN_EXPLORED = 0.8
 EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps drafts from an old token
 VERIFY = -1  # the node count under which `TreeChoice.verify_times` sums the verify steps of every candidate
+PROBE = -2  # the node count under which step_ms holds a plain step right after verify steps (a probe)
 MAX_LOG_DRIFT = 1.0  # a step's time counts as at most e times (at least 1/e) warmup's
 
 
@@ -124,7 +129,8 @@ class TreeChoice:
     max_batch: int | None
     fixed: bool  # medusa_nodes=N: always the one candidate (up to max_batch)
     # batch size -> {(greedy, nodes): ms of such a step}, measured by warmup (nodes 0: a plain
-    # step); set whole, never changed in place (what is read from it is remembered)
+    # step after plain steps, PROBE: after verify steps); set whole, never changed in place
+    # (what is read from it is remembered)
     step_ms: dict[int, dict[tuple[bool, int], float]] = field(default_factory=dict)
     force: int | None = None  # set while warmup compiles or times one kind of step
     # greedy -> [requests, drafts accepted, drafts the priors expected] of the window's verify steps
@@ -135,18 +141,28 @@ class TreeChoice:
     verify_times: Window = field(default_factory=lambda: Window(2))
     last_plain: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # last decode step chosen plain
     steps: int = 0  # decode steps chosen for so far
+    previous: int = 0  # the candidate the decode step before the last one chosen verified (0: none)
+    current: int = 0  # ... and the last one's
     # What is read from step_ms (`_times`: n -> step_times(n)), and at each (n, greedy) the top
     # candidate with its speedup but for the plain steps' drift, beside what it was weighed at.
     _read_from: dict | None = field(default=None, repr=False)
     _times: dict = field(default_factory=dict, repr=False)
     _tops: dict = field(default_factory=dict, repr=False)
 
-    def __call__(self, n: int, greedy: bool = True) -> int:
+    def __call__(self, n: int, greedy: bool = True, verifiable: bool = True) -> int:
         """The tree a step with n decoding requests verifies (greedy: all of them are greedy
-        without logprobs); 0: it decodes plainly."""
+        without logprobs; not verifiable: it decodes plainly whatever the choice); 0: it
+        decodes plainly."""
         self.steps += 1
         for window in (self.accepted, self.plain_times, self.verify_times):
             window.age(self.steps)
+        nodes = self._choose(n, greedy) if verifiable else 0
+        self.previous, self.current = self.current, nodes
+        if not nodes:
+            self.last_plain[greedy] = self.steps
+        return nodes
+
+    def _choose(self, n: int, greedy: bool) -> int:
         if self.force is not None:
             return self.force
         if not self.prior or (self.max_batch is not None and n > self.max_batch):
@@ -156,13 +172,10 @@ class TreeChoice:
         nodes, speedup = self.top(n, greedy)
         if speedup >= MIN_SPEEDUP:
             every = PROBE_EVERY if self.plain_times[greedy][0] >= MIN_TIMED else PROBE_SOON
-            if self.steps - self.last_plain[greedy] >= every:
-                nodes = 0  # a probe: what a plain step takes now, beside the verify steps
-        elif not (speedup >= MIN_EXPLORED and self.steps % EXPLORE_EVERY < EXPLORE_STEPS and self._unexplored(greedy)):
-            nodes = 0  # else a look: what verify steps take and accept now, when the window has too few
-        if not nodes:
-            self.last_plain[greedy] = self.steps
-        return nodes
+            return 0 if self.steps - self.last_plain[greedy] >= every else nodes  # 0: a probe
+        # A look: what verify steps take and accept now, when the window has too few.
+        looks = speedup >= MIN_EXPLORED and self.steps % EXPLORE_EVERY < EXPLORE_STEPS and self._unexplored(greedy)
+        return nodes if looks else 0
 
     def best(self, n: int, greedy: bool) -> tuple[int, float]:
         """The candidate with the most expected tokens/s at n requests and its speedup over plain
@@ -233,15 +246,19 @@ class TreeChoice:
         """A verify step of the `nodes` candidate in which `requests` requests accepted `accepted`
         drafts. Not counted: warmup's steps (a token of no text), and a verify right after a plain
         step, whose drafts are a token old (what the choice weighs is what verifying in a row yields)."""
-        if self.force is None and self.last_plain[greedy] != self.steps - 1:
+        if self.force is None and self.previous:
             self.accepted.add(self.steps, (greedy,), (requests, accepted, requests * ((self.prior[nodes] or 1) - 1)))
 
     def timed(self, nodes: int, greedy: bool, requests: int, ms: float) -> None:
         """A decode step (no prompt work) of `requests` requests, verifying the `nodes` candidate
-        (0: plain), took `ms`."""
-        if self.force is not None or not self.step_ms:
+        (0: plain), took `ms`: against warmup's time for such a step after the kind of step
+        before it (a plain one after a verify: a probe's). A verify right after a plain step is
+        not timed: warmup times verify steps in a row, and verifying in a row is what the choice
+        weighs."""
+        if self.force is not None or not self.step_ms or (nodes and not self.previous):
             return
-        predicted = self.step_times(requests).get((greedy, nodes), math.inf)
+        kind = nodes or (PROBE if self.previous else 0)
+        predicted = self.step_times(requests).get((greedy, kind), math.inf)
         if math.isfinite(predicted):
             ratio = min(max(math.log(ms / predicted), -MAX_LOG_DRIFT), MAX_LOG_DRIFT)  # a pause is not the step's cost
             if nodes:
@@ -259,6 +276,13 @@ class TreeChoice:
                                        warmup_speedup=self.speedup(self.step_times(n), nodes, greedy, live=False) if nodes else 1.0,
                                        accept_length=self.accept_length(nodes, greedy) if nodes else 1.0))
         return tuple(rows)
+
+    def named_times(self) -> dict[str, dict[str, float]]:
+        """step_ms as JSON names it: batch size -> {"greedy_plain" | "greedy_probe" | "greedy_<nodes>"
+        (and "sampled_..."): ms}."""
+        names = {0: "plain", PROBE: "probe"}
+        return {str(n): {f"{'greedy' if g else 'sampled'}_{names.get(k, k)}": ms for (g, k), ms in row.items()}
+                for n, row in self.step_ms.items()}
 
     @contextmanager
     def forcing(self, nodes: int):
