@@ -201,6 +201,9 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     timed = medusa.choice.step_ms  # batch -> {(greedy, nodes): ms}, measured by warmup
     assert set(timed) <= {1, 2} and 1 in timed and {(True, 0), (True, 1), (False, 0), (False, 1)} <= set(timed[1])
     assert all(0 < ms < 1e3 for row in timed.values() for ms in row.values())
+    for greedy in (True, False):  # a larger tree is never timed cheaper than a smaller one
+        verify = [ms for (g, nodes), ms in sorted(timed[1].items()) if g == greedy and nodes > 0]
+        assert verify == sorted(verify) and len(verify) > 1
     assert medusa.totals.verify_steps == 0 and engine.counts.generated_tokens == 0  # warmup's steps are not traffic
     assert not medusa.choice.accepted.entries
     # What a replica's /metrics says of the choice.
