@@ -17,7 +17,8 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   the most expected tokens per second,
       speedup = accept_length(tree) x plain(n) / verify(n, tree),
   where that is at least MIN_SPEEDUP, else it decodes plainly (step times interpolated between
-  the batch sizes timed). Both factors are corrected by the last WINDOW_STEPS decode steps
+  the batch sizes timed; a larger candidate only where it is expected at LARGER_BY times a
+  smaller one). Both factors are corrected by the last WINDOW_STEPS decode steps
   (greedy and sampled batches apart). accept_length(tree) is the expected one scaled by what
   verify steps accepted against what they were expected to (once MIN_OBSERVED requests'
   verifies are in the window). The step times are scaled by what steps took against warmup's
@@ -62,6 +63,11 @@ MIN_OBSERVED = 16  # requests' verifies in the window before they correct the ex
 # Below it a tree is not chosen: the estimate leaves out drafting at the end of each prompt, the
 # plain probes and the first verify after a plain step (its drafts a token old), and it is noisy.
 MIN_SPEEDUP = 1.15
+# A larger candidate is chosen over a smaller one only if expected at LARGER_BY times as much: what the
+# estimate leaves out weighs more with a larger tree, and its figures are noisier (on the 2-core VM: a
+# 12-node tree expected at 1.46x ran at 1.15x where the 4-node one ran at 1.30x; sampled, a 6-node tree
+# the window preferred ran at 1.31x, the 4-node one at 1.49x).
+LARGER_BY = 1.05
 MIN_TIMED = 8  # steps of a kind in the window before their times correct warmup's
 PROBE_EVERY = 32  # while verifying, a plain step at least this often (the time a plain step takes now)
 PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are in the window
@@ -191,8 +197,8 @@ class TreeChoice:
         top = self._tops.get((n, greedy))
         if top is None or top[0] != weighed_at:
             best = (0, 0.0)
-            for nodes in self.prior:
-                if (gain := self._verify_gain(times, nodes, greedy)) > best[1]:
+            for nodes in sorted(self.prior):
+                if (gain := self._verify_gain(times, nodes, greedy)) > best[1] * LARGER_BY:
                     best = (nodes, gain)
             top = self._tops[n, greedy] = (weighed_at, *best)
         return top[1], top[2] * self._plain_drift(greedy)

@@ -443,6 +443,11 @@ def test_tree_choice_weighs_the_candidates_again_whenever_what_it_weighs_them_by
         assert choice.best(1, True) == (4, pytest.approx(4 / 3))
         return choice
 
+    # A larger candidate must be expected at LARGER_BY times the best smaller one: four nodes at 3.3 ms,
+    # 2 x 2 / 3.3 = 1.21x, are within 5% of one node's 1.2x.
+    choice = weighed()
+    choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.3}}
+    assert choice.best(1, True) == (1, pytest.approx(1.2))
     # Verify steps that accept nothing: accept lengths 1 -> 0.8x and 0.67x, plain.
     choice = weighed()
     for _ in range(MIN_OBSERVED):
