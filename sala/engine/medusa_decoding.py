@@ -247,7 +247,7 @@ class MedusaDecoding:
                                 temperature=0 if greedy else 1, seed=0, ignore_eos=True)
         reqs = [engine.add_request(prompt, params) for _ in range(n)]
         ms = {"plain": [], "probe": [], "verify": []}
-        taken = 0  # steps timed: verify runs first, so that every plain run but none follows verify steps
+        taken = 0  # steps timed; a verify run comes first, so that every plain run follows verify steps
         with self.choice.forcing(nodes):
             while taken < 2 * TIMED_ROUNDS * TIMED_BLOCK and engine.has_work():
                 before = engine.stats()
@@ -259,9 +259,12 @@ class MedusaDecoding:
                 elapsed = 1e3 * (time.perf_counter() - t0)
                 if pure and engine.stats().running == n:
                     if self.choice.force:
-                        ms["verify"] += [elapsed] if at else []
-                    else:
-                        ms["probe" if at == 0 else "plain"] += [elapsed] if at == 0 or at >= SETTLED else []
+                        if at:  # the first verify of a run follows plain steps
+                            ms["verify"].append(elapsed)
+                    elif at == 0:
+                        ms["probe"].append(elapsed)
+                    elif at >= SETTLED:
+                        ms["plain"].append(elapsed)
                     taken += 1
         for r in reqs:
             engine.cancel(r)
