@@ -25,8 +25,10 @@ Which tree a step verifies, if any, is `TreeChoice`'s (sala/engine/tree_choice.p
 the candidate that warmup's step times (`MedusaDecoding.warmup`), the heads' measured acceptance
 and what the last decode steps accepted and took say pays best. medusa_max_batch caps the batch
 sizes that may verify. A plain step of a Medusa engine drafts only for the prompts it ends
-(their first tree); the requests it decodes keep their drafts, so the first verify after plain
-steps usually accepts less, never anything wrong. Greedy output
+(their first tree); the requests it decodes keep their drafts, which a verify after plain steps
+reads a head further out for each token decoded since (`tree_drafts`): on tiny-sala's heads at
+batch 1 with the 4-node tree it keeps 1.87 tokens where a verify after a verify keeps 2.09 (and
+1.08 with the drafts unshifted). Greedy output
 does not depend on the choice (every step is lossless); a sampled request's tokens do (typical
 acceptance and plain sampling draw differently), as with vLLM's disable_by_batch_size.
 """
@@ -147,7 +149,7 @@ class MedusaDecoding:
         if reqs:  # most steps end no prompt: not even the inference-mode switch then
             with torch.inference_mode():
                 for r, d in zip(reqs, self.heads.draft_tokens(hidden, self.model.lm_head)):
-                    r.drafts = d
+                    r.drafts, r.drafts_for = d, r.num_tokens + 1  # past the token the prompt's end draws
 
     def settle(self, tree: MedusaTree | TreeIndices, acc: medusa_accept.Accepted, ctx: StepContext,
                tokens: torch.Tensor, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,7 +324,7 @@ class TreeVerify:
         """Each request's draft tree (R * T tokens) and the step context that verifies them."""
         cache, dev, tree = self.cache, self.cache.device, self.tree
         roots = torch.tensor([r.last_token for r in reqs], device=dev)
-        candidates = torch.cat([roots[:, None], torch.stack([r.drafts for r in reqs]).flatten(1)], 1)
+        candidates = torch.cat([roots[:, None], tree_drafts(reqs).flatten(1)], 1)
         tokens = candidates[:, tree.candidate_indices]
         computed = torch.tensor([r.num_computed for r in reqs], device=dev)
         # Rows of every committed position and of the deepest path after them (the commit's destinations).
@@ -403,7 +405,7 @@ class TreeVerify:
         for i, (r, row) in enumerate(zip(reqs, emitted.tolist())):  # the step's one read-back
             n = row[0]
             r.num_computed += n
-            r.drafts = drafts[i]
+            r.drafts, r.drafts_for = drafts[i], r.num_tokens + n  # past the accepted drafts and the bonus
             accepted = row[2 : 1 + n] + [row[-1]]  # the accepted drafts (the root was emitted last step), the bonus
             for stats in (r.spec, medusa.totals):
                 stats.record(n, tree.num_nodes - 1, tree.max_depth)
@@ -509,6 +511,22 @@ class CompiledSampledVerify(CompiledGreedyVerify):
         sizes = [(indices.parents, 0), (indices.retrieve_indices, 0), (indices.retrieve_indices, 1)]
         return self.run(indices, tokens, ctx, room, temperature, u,
                         dynamic=self.dynamic(tokens, ctx) + rows_dynamic(room, temperature, u) + sizes)
+
+
+def tree_drafts(reqs: list[Request]) -> torch.Tensor:
+    """[R, K, topk]: for depth d + 1 of each request's tree (the d + 1st token after its last),
+    the top-k of the head that drafted that token. Head k drafts token drafts_for + k; a plain
+    step decodes a token without drafting, so after p of them (p = num_tokens - drafts_for) depth
+    d + 1 takes head d + p's, and past the last head the last head's (drafted for another
+    position: that only costs acceptance). Unshifted, each depth would be judged against the
+    token after the one its head drafted."""
+    drafts = torch.stack([r.drafts for r in reqs])
+    behind = [r.num_tokens - r.drafts_for for r in reqs]
+    if not any(behind):
+        return drafts
+    heads = drafts.shape[1]
+    shift = torch.tensor([[min(k + p, heads - 1) for k in range(heads)] for p in behind], device=drafts.device)
+    return drafts.gather(1, shift[:, :, None].expand_as(drafts))
 
 
 def tree_dynamic(tree: TreeStep) -> list[tuple[torch.Tensor, int]]:

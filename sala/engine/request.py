@@ -112,6 +112,7 @@ class Request:
     first_token_at: float | None = None
     grammar: Grammar | None = None  # structured outputs: what the output may continue with (sala/structured.py)
     drafts: torch.Tensor | None = None  # Medusa: each head's top-k tokens [K, topk], the next tree's candidates
+    drafts_for: int = 0  # ... head k's for token drafts_for + k (a plain step decodes past them: tree_drafts)
     spec: SpecStats | None = None
     # Evaluation mode, after a preemption: the generated tokens are recomputed by decode steps, one
     # each, as they were first computed (a prefill of them rounds differently), so the cache holds

@@ -61,7 +61,7 @@ CANDIDATE_NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 WINDOW_STEPS = 512  # decode steps an observation counts for
 MIN_OBSERVED = 16  # requests' verifies in the window before they correct the expected acceptance
 # Below it a tree is not chosen: the estimate leaves out drafting at the end of each prompt, the
-# plain probes and the first verify after a plain step (its drafts a token old), and it is noisy.
+# plain probes and the first verify after a plain step (its drafts made a token earlier: tree_drafts), and it is noisy.
 MIN_SPEEDUP = 1.15
 # A larger candidate is chosen over a smaller one only if expected at LARGER_BY times as much: what the
 # estimate leaves out weighs more with a larger tree, and its figures are noisier (on the 2-core VM: a
@@ -76,7 +76,7 @@ PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are 
 # heads' greedy acceptance misjudge it (measured on tiny-sala, sampled at batch 1: expected 1.07x
 # by warmup, ran at 1.09x; typical acceptance kept 2.22 tokens a step where 1.91 were expected).
 MIN_EXPLORED = 0.8
-EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps drafts from an old token
+EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps has drafts made tokens earlier
 VERIFY = -1  # the node count under which `TreeChoice.verify_times` sums the verify steps of every candidate
 PROBE = -2  # the node count under which step_ms holds a plain step right after verify steps (a probe)
 MAX_LOG_DRIFT = 1.0  # a step's time counts as at most e times (at least 1/e) warmup's
@@ -251,7 +251,8 @@ class TreeChoice:
     def observe(self, nodes: int, greedy: bool, requests: int, accepted: int) -> None:
         """A verify step of the `nodes` candidate in which `requests` requests accepted `accepted`
         drafts. Not counted: warmup's steps (a token of no text), and a verify right after a plain
-        step, whose drafts are a token old (what the choice weighs is what verifying in a row yields)."""
+        step, whose drafts were made a token earlier, each depth's by a head further out (what the
+        choice weighs is what verifying in a row yields)."""
         if self.force is None and self.previous:
             self.accepted.add(self.steps, (greedy,), (requests, accepted, requests * ((self.prior[nodes] or 1) - 1)))
 

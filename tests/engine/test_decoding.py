@@ -78,6 +78,45 @@ def test_auto_verifies_only_the_batches_a_compiled_graph_accepts():
     assert eager.for_step([request(4, temperature=0.7, top_p=0.9)]) is eager.verifies[6]
 
 
+def test_a_verify_after_plain_steps_takes_each_depth_from_the_head_drafting_its_token():
+    """Drafts are made for the tokens after a request's last one (head k: the k + 1st); a plain
+    step decodes one of them without drafting, so after p plain steps depth d of the tree takes
+    head d - 1 + p's top-k (the last head's where that is past the last), and after a verify
+    step the heads' new drafts as they are."""
+    p = build(medusa=True, max_seqs=4)
+    medusa = p.decoding
+    verify = medusa.verifies[6]
+    reqs = [request(10), request(21, first=50)]
+    for r in reqs:
+        medusa.admit(r)
+    prefill(p, reqs)
+    drafted = [r.drafts.clone() for r in reqs]
+    heads = drafted[0].shape[0]
+
+    def tree_tokens(behind: int) -> list[list[int]]:
+        """Each request's tree tokens, naively: the root, then each head's top-k `behind` heads on."""
+        out = []
+        for r, d in zip(reqs, drafted):
+            candidates = [r.output_ids[-1]] + [t for k in range(heads) for t in d[min(k + behind, heads - 1)].tolist()]
+            out.append([candidates[i] for i in verify.tree.candidate_indices.tolist()])
+        return out
+
+    assert verify.inputs(reqs)[0].view(2, -1).tolist() == tree_tokens(0)
+    for behind in (1, 2, 3, 4):
+        with medusa.choice.forcing(0):  # decoded plainly, as a probe is
+            batch = p.scheduler.schedule()
+        assert batch.decoding is medusa.plain_step and batch.decodes == reqs
+        for g in batch.decoding.emit(reqs, p.runner.run(batch), set()):
+            g.request.output_ids += g.tokens
+        assert verify.inputs(reqs)[0].view(2, -1).tolist() == tree_tokens(behind), behind
+    batch = p.scheduler.schedule()
+    assert batch.decoding is verify
+    for g in verify.emit(reqs, p.runner.run(batch), set()):
+        g.request.output_ids += g.tokens
+    drafted = [r.drafts.clone() for r in reqs]
+    assert verify.inputs(reqs)[0].view(2, -1).tolist() == tree_tokens(0)
+
+
 def test_verify_emits_the_acceptable_path_then_the_bonus_and_commits_only_it():
     p = build(medusa=True, max_seqs=4)
     medusa, cache = p.decoding, p.cache

@@ -266,7 +266,7 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
 
 def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, tiny_sala_dir):
     """medusa_max_batch=1: a step with more than one decoding request decodes plainly, a step with
-    one verifies its tree; the requests keep their old drafts through plain steps, and greedy
+    one verifies its tree; the requests keep their drafts through plain steps, and greedy
     output is plain greedy's token for token."""
     from transformers import AutoTokenizer
 
@@ -336,7 +336,7 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
         choice.observe(4, True, requests=1, accepted=0 if _ % 4 else 1)
     for _ in range(MIN_TIMED):
         choice.timed(4, True, 1, 3.0)
-    # A verify right after a plain step (its drafts a token old, and it is not what warmup timed) is
+    # A verify right after a plain step (its drafts made a token earlier, and it is not what warmup timed) is
     # neither counted nor timed.
     assert choice(1) == 0
     step(choice, 1)
