@@ -17,8 +17,9 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   the most expected tokens per second,
       speedup = accept_length(tree) x plain(n) / verify(n, tree),
   where that is at least MIN_SPEEDUP, else it decodes plainly (step times interpolated between
-  the batch sizes timed; a larger candidate only where it is expected at LARGER_BY times a
-  smaller one). Both factors are corrected by the last WINDOW_STEPS decode steps
+  the batch sizes timed; a batch larger than the largest timed decodes plainly, as warmup stops
+  timing at a batch size where nothing pays; a larger candidate only where it is expected at
+  LARGER_BY times a smaller one). Both factors are corrected by the last WINDOW_STEPS decode steps
   (greedy and sampled batches apart). accept_length(tree) is the expected one scaled by what
   verify steps accepted against what they were expected to (once MIN_OBSERVED requests'
   verifies are in the window). The step times are scaled by what steps took against warmup's
@@ -29,7 +30,10 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   steps to recover: the verify step's code and data displace the plain step's), so the first
   is compared with the probe's time, and a verify right after a plain step is not timed. While
   it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step
-  takes now is known beside what verify steps take (one in PROBE_SOON until MIN_TIMED are).
+  takes now is known beside what verify steps take (one in PROBE_SOON until MIN_TIMED are),
+  and EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY verify the runner-up while the
+  window holds fewer than MIN_TIMED of its own steps, if it is expected at RIVAL_WITHIN of the
+  chosen one or more: a candidate's time is corrected by its own steps once it has taken some.
   While it decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a
   row out of every EXPLORE_EVERY verify the top candidate if it is expected at MIN_EXPLORED or
   more, so that a tree warmup misjudged gets measured (sampled requests accept by typical
@@ -77,6 +81,12 @@ PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are 
 # by warmup, ran at 1.09x; typical acceptance kept 2.22 tokens a step where 1.91 were expected).
 MIN_EXPLORED = 0.8
 EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps has drafts made tokens earlier
+# While it verifies, the runner-up (the candidate expected to do best but for the chosen one) is verified
+# the same way if expected at RIVAL_WITHIN of the chosen one or more, while the window holds fewer than
+# MIN_TIMED of its own verify steps: the window corrects a candidate's time by its own steps only once
+# it has taken them, so warmup's ranking of two close candidates would stand (on tiny-sala at batch 1:
+# the 2-node tree chosen at 1.24x ran at 1.20x, the 4-node one, expected at 1.19x, at 1.33x).
+RIVAL_WITHIN = 0.92
 VERIFY = -1  # the node count under which `TreeChoice.verify_times` sums the verify steps of every candidate
 PROBE = -2  # the node count under which step_ms holds a plain step right after verify steps (a probe)
 MAX_LOG_DRIFT = 1.0  # a step's time counts as at most e times (at least 1/e) warmup's
@@ -176,12 +186,15 @@ class TreeChoice:
         if self.fixed or not self.step_ms:
             return max(self.prior)
         nodes, speedup = self.top(n, greedy)
+        looks = self.steps % EXPLORE_EVERY < EXPLORE_STEPS
         if speedup >= MIN_SPEEDUP:
             every = PROBE_EVERY if self.plain_times[greedy][0] >= MIN_TIMED else PROBE_SOON
-            return 0 if self.steps - self.last_plain[greedy] >= every else nodes  # 0: a probe
+            if self.steps - self.last_plain[greedy] >= every:
+                return 0  # a probe
+            rival = self._tops[n, greedy][3]
+            return rival if looks and rival and self.verify_times[greedy, rival][0] < MIN_TIMED else nodes
         # A look: what verify steps take and accept now, when the window has too few.
-        looks = speedup >= MIN_EXPLORED and self.steps % EXPLORE_EVERY < EXPLORE_STEPS and self._unexplored(greedy)
-        return nodes if looks else 0
+        return nodes if looks and speedup >= MIN_EXPLORED and self._unexplored(greedy) else 0
 
     def best(self, n: int, greedy: bool) -> tuple[int, float]:
         """The candidate with the most expected tokens/s at n requests and its speedup over plain
@@ -191,16 +204,21 @@ class TreeChoice:
 
     def top(self, n: int, greedy: bool) -> tuple[int, float]:
         """The candidate with the most expected tokens/s at n requests, and its speedup over plain
-        decoding; (0, 0.0) where none is timed."""
+        decoding; (0, 0.0) where none is timed. Weighing them also finds the runner-up (0: none
+        within RIVAL_WITHIN), kept beside it in `_tops`."""
         times = self.step_times(n)
         weighed_at = (self.accepted.changes, self.verify_times.changes, self.plain_times[greedy][0] >= MIN_TIMED)
         top = self._tops.get((n, greedy))
         if top is None or top[0] != weighed_at:
+            gains = {nodes: self._verify_gain(times, nodes, greedy) for nodes in sorted(self.prior)}
             best = (0, 0.0)
-            for nodes in sorted(self.prior):
-                if (gain := self._verify_gain(times, nodes, greedy)) > best[1] * LARGER_BY:
+            for nodes, gain in gains.items():
+                if gain > best[1] * LARGER_BY:
                     best = (nodes, gain)
-            top = self._tops[n, greedy] = (weighed_at, *best)
+            others = [k for k in gains if k != best[0]]
+            rival = max(others, key=gains.get) if best[0] and others else 0
+            rival = rival if rival and gains[rival] >= RIVAL_WITHIN * best[1] else 0
+            top = self._tops[n, greedy] = (weighed_at, *best, rival)
         return top[1], top[2] * self._plain_drift(greedy)
 
     def _unexplored(self, greedy: bool) -> bool:
@@ -302,7 +320,10 @@ class TreeChoice:
 
     def step_times(self, n: int) -> dict[tuple[bool, int], float]:
         """ms of each kind of step at n requests: linear between the batch sizes timed, the
-        nearest one's outside them (a kind timed at only one of the two: not known)."""
+        smallest one's below them (a kind timed at only one of the two: not known). Past the
+        largest, none: warmup stops timing at a batch size where no candidate pays, and a verify's
+        cost grows with the batch faster than a plain step's, so a larger batch decodes plainly,
+        without looks (the largest one's times make a look there seem to cost far less than it does)."""
         if self._read_from is not self.step_ms:
             self._read_from, self._times, self._tops = self.step_ms, {}, {}
         if (times := self._times.get(n)) is None:
@@ -314,8 +335,10 @@ def _interpolate(step_ms: dict[int, dict], n: int) -> dict:
     """step_ms at batch size n: see TreeChoice.step_times."""
     sizes = sorted(step_ms)
     i = bisect.bisect_left(sizes, n)
-    if i == 0 or i == len(sizes):
-        return step_ms[sizes[min(i, len(sizes) - 1)]]
+    if i == len(sizes):
+        return {}
+    if i == 0:
+        return step_ms[sizes[0]]
     lo, hi = step_ms[sizes[i - 1]], step_ms[sizes[i]]
     w = (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
     return {k: (1 - w) * lo[k] + w * hi[k] for k in lo.keys() & hi.keys()}

@@ -318,6 +318,7 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
     # n = 1: 1.5 x 2 / 2.5 = 1.2, 2.0 x 2 / 3 = 1.33, 2.4 x 2 / 5 = 0.96 -> 4 nodes. n = 4: 1.125, 1.0, 0.6:
     # below MIN_SPEEDUP (1.15) -> plain. n = 2 (a third of the way): plain 2.33, one node 3.0: 1.17; four 4.0:
     # 1.17 (a tie keeps the smaller). Sampled, n = 1: 1.5 x 2 / 4 = 0.75; beyond it no verify time: plain.
+    # n = 64: past the batch sizes timed, plain.
     assert [choice.best(n, True)[0] for n in (1, 2, 4, 64)] == [4, 1, 0, 0] and choice.best(1, False)[0] == 0
     assert choice.best(1, True) == (4, pytest.approx(4 / 3)) and choice(1) == 4
     # Below MIN_SPEEDUP but at least MIN_EXPLORED (n = 4: one node, 1.125x), while the window holds too few
@@ -327,6 +328,8 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
     looks = {first + i: choice(4) for i in range(2 * EXPLORE_EVERY)}
     assert looks == {step: 1 if step % EXPLORE_EVERY < EXPLORE_STEPS else 0 for step in looks}
     assert not any(choice(1, greedy=False) for _ in range(2 * EXPLORE_EVERY))
+    # Past the largest batch size timed (warmup stopped there: nothing paid), plain steps and no looks.
+    assert not any(choice(5) for _ in range(2 * EXPLORE_EVERY)) and choice.step_times(5) == {}
     # A text the heads do not know: greedy verifies of four nodes accept a quarter of what their prior says
     # (and take as long as warmup timed them: the window holds verify steps enough, no more looks).
     step(choice, 4)
@@ -355,6 +358,35 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
         candidate_sizes(64, 63, True)
     fixed = TreeChoice(prior={8: 2.0}, max_batch=2, fixed=True)
     assert [fixed(n) for n in (1, 2, 3)] == [8, 8, 0]
+
+
+def test_tree_choice_verifies_the_runner_up_until_its_own_steps_correct_its_time():
+    """Warmup timed the 4-node tree dearer than it is: expected at 0.95x the 2-node tree it is
+    the runner-up, verified EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY until MIN_TIMED
+    of its own steps are in the window; they correct its time, and it is chosen. Where warmup
+    timed it right, it is not, and it stops being verified once its own steps are in."""
+    from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, MIN_TIMED, PROBE, RIVAL_WITHIN, TreeChoice
+
+    def run(four_ms: float, steps: int = 320) -> list[int]:
+        choice = TreeChoice(prior={2: 1.6, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
+        choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.25, (True, 4): 1.65, (True, 16): 4.0}}
+        # 2 nodes: 1.6 / 1.25 = 1.28x; 4 nodes: 2.0 / 1.65 = 1.21x, within RIVAL_WITHIN of it; 16: 0.6x.
+        assert choice.top(1, True) == (2, pytest.approx(1.28)) and 2.0 / 1.65 >= RIVAL_WITHIN * 1.28
+        taken = []
+        for _ in range(steps):
+            nodes = choice(1)
+            choice.timed(nodes, True, 1, {0: 1.0, 2: 1.25, 4: four_ms}[nodes])
+            taken.append(nodes)
+        return taken
+
+    cheaper = run(1.3)  # in truth 2.0 / 1.3 = 1.54x
+    first = cheaper[:EXPLORE_EVERY]
+    assert first[:EXPLORE_STEPS].count(4) >= EXPLORE_STEPS - 1 and set(first[EXPLORE_STEPS:]) <= {0, 2}
+    switched = next(i for i in range(len(cheaper)) if set(cheaper[i:]) <= {0, 4})
+    assert MIN_TIMED <= cheaper[:switched].count(4) <= 3 * MIN_TIMED and switched < len(cheaper) // 2
+    as_timed = run(1.65)
+    assert set(as_timed[len(as_timed) // 2:]) <= {0, 2}  # its own steps say warmup was right
+    assert MIN_TIMED <= as_timed.count(4) <= 3 * MIN_TIMED
 
 
 def test_tree_choice_corrects_warmups_step_times_by_the_steps_it_takes():
