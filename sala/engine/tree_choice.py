@@ -241,8 +241,12 @@ class TreeChoice:
         """How much cheaper than warmup measured them the window's steps found verify steps of the
         candidate against plain ones: each kind's steps took exp(mean log(took / warmup's time))
         of what warmup's times predict at their batch sizes. A candidate with too few steps in
-        the window is taken as the window's verify steps of every candidate; 1 where plain or
-        verify steps are too few (warmup's ratio stands)."""
+        the window is taken as the window's verify steps of every candidate where they are dearer
+        than warmup found, as warmup found them where not: another tree's steps may say the machine
+        is slower for verify steps now, not that this tree is cheaper (taken so, a tree that warmup
+        misjudged dear made every other look cheaper, and the choice went back and forth between
+        it and the one it had left once its steps aged out). 1 where plain or verify steps are too
+        few (warmup's ratio stands)."""
         return self._plain_drift(greedy) / self._verify_drift(nodes, greedy)
 
     def _plain_drift(self, greedy: bool) -> float:
@@ -250,11 +254,11 @@ class TreeChoice:
         return 1.0 if plain is None or self.verify_times.mean((greedy, VERIFY), MIN_TIMED) is None else math.exp(plain)
 
     def _verify_drift(self, nodes: int, greedy: bool) -> float:
-        pooled = self.verify_times.mean((greedy, VERIFY), MIN_TIMED)
-        if pooled is None or self.plain_times.mean(greedy, MIN_TIMED) is None:
+        pooled, plain = self.verify_times.mean((greedy, VERIFY), MIN_TIMED), self.plain_times.mean(greedy, MIN_TIMED)
+        if pooled is None or plain is None:
             return 1.0
         own = self.verify_times.mean((greedy, nodes), MIN_TIMED)
-        return math.exp(pooled if own is None else own)
+        return math.exp(max(pooled, plain) if own is None else own)
 
     def accept_length(self, nodes: int, greedy: bool) -> float:
         """Tokens a verify step of the candidate is expected to yield now: its prior scaled by what

@@ -367,7 +367,7 @@ def test_tree_choice_verifies_the_runner_up_until_its_own_steps_correct_its_time
     timed it right, it is not, and it stops being verified once its own steps are in."""
     from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, MIN_TIMED, PROBE, RIVAL_WITHIN, TreeChoice
 
-    def run(four_ms: float, steps: int = 320) -> list[int]:
+    def run(four_ms: float, steps: int = 320) -> tuple[list[int], TreeChoice]:
         choice = TreeChoice(prior={2: 1.6, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
         choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.25, (True, 4): 1.65, (True, 16): 4.0}}
         # 2 nodes: 1.6 / 1.25 = 1.28x; 4 nodes: 2.0 / 1.65 = 1.21x, within RIVAL_WITHIN of it; 16: 0.6x.
@@ -377,14 +377,16 @@ def test_tree_choice_verifies_the_runner_up_until_its_own_steps_correct_its_time
             nodes = choice(1)
             choice.timed(nodes, True, 1, {0: 1.0, 2: 1.25, 4: four_ms}[nodes])
             taken.append(nodes)
-        return taken
+        return taken, choice
 
-    cheaper = run(1.3)  # in truth 2.0 / 1.3 = 1.54x
+    cheaper, choice = run(1.3)  # in truth 2.0 / 1.3 = 1.54x
     first = cheaper[:EXPLORE_EVERY]
     assert first[:EXPLORE_STEPS].count(4) >= EXPLORE_STEPS - 1 and set(first[EXPLORE_STEPS:]) <= {0, 2}
     switched = next(i for i in range(len(cheaper)) if set(cheaper[i:]) <= {0, 4})
     assert MIN_TIMED <= cheaper[:switched].count(4) <= 3 * MIN_TIMED and switched < len(cheaper) // 2
-    as_timed = run(1.65)
+    # The 16-node tree, never verified, is not taken as cheaper for what the 4-node tree's steps said.
+    assert choice.time_scale(4, True) == pytest.approx(1.65 / 1.3) and choice.time_scale(16, True) == 1.0
+    as_timed, _ = run(1.65)
     assert set(as_timed[len(as_timed) // 2:]) <= {0, 2}  # its own steps say warmup was right
     assert MIN_TIMED <= as_timed.count(4) <= 3 * MIN_TIMED
 
