@@ -19,10 +19,11 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   where that is at least MIN_SPEEDUP, else it decodes plainly (step times interpolated between
   the batch sizes timed; a batch larger than the largest timed decodes plainly, as warmup stops
   timing at a batch size where nothing pays; a larger candidate only where it is expected at
-  LARGER_BY times a smaller one). Both factors are corrected by the last WINDOW_STEPS decode steps
-  (greedy and sampled batches apart). accept_length(tree) is the expected one scaled by what
-  verify steps accepted against what they were expected to (once MIN_OBSERVED requests'
-  verifies are in the window). The step times are scaled by what steps took against warmup's
+  LARGER_BY times a smaller one, unless the window has measured it). Both factors are corrected
+  by the last WINDOW_STEPS decode steps (greedy and sampled batches apart). accept_length(tree)
+  is what the tree's own verify steps yielded, once MIN_OBSERVED requests' are in the window;
+  else the expected one scaled by what verify steps accepted against what they were expected to
+  (once MIN_OBSERVED requests' verifies are in the window). The step times are scaled by what steps took against warmup's
   times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
   the machine's speed drifts over a run (by up to 2x over a minute on a 2-core VM). Each step
   is compared with warmup's time for a step taken as it was: a plain step right after a verify
@@ -31,9 +32,10 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   is compared with the probe's time, and a verify right after a plain step is not timed. While
   it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step
   takes now is known beside what verify steps take (one in PROBE_SOON until MIN_TIMED are),
-  and EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY verify the runner-up while the
-  window holds fewer than MIN_TIMED of its own steps, if it is expected at RIVAL_WITHIN of the
-  chosen one or more: a candidate's time is corrected by its own steps once it has taken some.
+  and EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY verify the runner-up until the
+  window has measured it (MIN_TIMED of its steps timed, MIN_OBSERVED requests' acceptance), if
+  it is expected at RIVAL_WITHIN of the chosen one or more: a candidate is judged by its own
+  steps once it has taken them.
   While it decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a
   row out of every EXPLORE_EVERY verify the top candidate if it is expected at MIN_EXPLORED or
   more, so that a tree warmup misjudged gets measured (sampled requests accept by typical
@@ -67,10 +69,11 @@ MIN_OBSERVED = 16  # requests' verifies in the window before they correct the ex
 # Below it a tree is not chosen: the estimate leaves out drafting at the end of each prompt, the
 # plain probes and the first verify after a plain step (its drafts made a token earlier: tree_drafts), and it is noisy.
 MIN_SPEEDUP = 1.15
-# A larger candidate is chosen over a smaller one only if expected at LARGER_BY times as much: what the
-# estimate leaves out weighs more with a larger tree, and its figures are noisier (on the 2-core VM: a
-# 12-node tree expected at 1.46x ran at 1.15x where the 4-node one ran at 1.30x; sampled, a 6-node tree
-# the window preferred ran at 1.31x, the 4-node one at 1.49x).
+# A larger candidate is chosen over a smaller one only if expected at LARGER_BY times as much, unless the
+# window has measured it (`_measured`: its own steps' times and acceptance): what warmup's estimate leaves
+# out weighs more with a larger tree, and its figures are noisier (on the 2-core VM: a 12-node tree
+# expected at 1.46x ran at 1.15x where the 4-node one ran at 1.30x; sampled, a 6-node tree the window
+# preferred by its pooled corrections ran at 1.31x, the 4-node one at 1.49x).
 LARGER_BY = 1.05
 MIN_TIMED = 8  # steps of a kind in the window before their times correct warmup's
 PROBE_EVERY = 32  # while verifying, a plain step at least this often (the time a plain step takes now)
@@ -82,10 +85,10 @@ PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are 
 MIN_EXPLORED = 0.8
 EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps has drafts made tokens earlier
 # While it verifies, the runner-up (the candidate expected to do best but for the chosen one) is verified
-# the same way if expected at RIVAL_WITHIN of the chosen one or more, while the window holds fewer than
-# MIN_TIMED of its own verify steps: the window corrects a candidate's time by its own steps only once
-# it has taken them, so warmup's ranking of two close candidates would stand (on tiny-sala at batch 1:
-# the 2-node tree chosen at 1.24x ran at 1.20x, the 4-node one, expected at 1.19x, at 1.33x).
+# the same way if expected at RIVAL_WITHIN of the chosen one or more, until the window has measured it:
+# the window judges a candidate by its own steps only once it has taken them, so warmup's ranking of two
+# close candidates would stand (on tiny-sala at batch 1: the 2-node tree chosen at 1.24x ran at 1.20x,
+# the 4-node one, expected at 1.19x, at 1.33x).
 RIVAL_WITHIN = 0.92
 VERIFY = -1  # the node count under which `TreeChoice.verify_times` sums the verify steps of every candidate
 PROBE = -2  # the node count under which step_ms holds a plain step right after verify steps (a probe)
@@ -149,7 +152,8 @@ class TreeChoice:
     # (what is read from it is remembered)
     step_ms: dict[int, dict[tuple[bool, int], float]] = field(default_factory=dict)
     force: int | None = None  # set while warmup compiles or times one kind of step
-    # greedy -> [requests, drafts accepted, drafts the priors expected] of the window's verify steps
+    # greedy -> [requests, drafts accepted, drafts the priors expected] of the window's verify steps;
+    # (greedy, nodes) -> the same of the candidate's
     accepted: Window = field(default_factory=lambda: Window(3))
     # greedy -> [steps, sum of log(ms it took / warmup's time for it)] of the window's plain decode steps
     plain_times: Window = field(default_factory=lambda: Window(2))
@@ -192,7 +196,7 @@ class TreeChoice:
             if self.steps - self.last_plain[greedy] >= every:
                 return 0  # a probe
             rival = self._tops[n, greedy][3]
-            return rival if looks and rival and self.verify_times[greedy, rival][0] < MIN_TIMED else nodes
+            return rival if looks and rival and not self._measured(rival, greedy) else nodes
         # A look: what verify steps take and accept now, when the window has too few.
         return nodes if looks and speedup >= MIN_EXPLORED and self._unexplored(greedy) else 0
 
@@ -213,13 +217,18 @@ class TreeChoice:
             gains = {nodes: self._verify_gain(times, nodes, greedy) for nodes in sorted(self.prior)}
             best = (0, 0.0)
             for nodes, gain in gains.items():
-                if gain > best[1] * LARGER_BY:
+                if gain > best[1] * (1.0 if self._measured(nodes, greedy) else LARGER_BY):
                     best = (nodes, gain)
             others = [k for k in gains if k != best[0]]
             rival = max(others, key=gains.get) if best[0] and others else 0
             rival = rival if rival and gains[rival] >= RIVAL_WITHIN * best[1] else 0
             top = self._tops[n, greedy] = (weighed_at, *best, rival)
         return top[1], top[2] * self._plain_drift(greedy)
+
+    def _measured(self, nodes: int, greedy: bool) -> bool:
+        """Whether the window holds enough of the candidate's own verify steps to judge it by
+        them alone: MIN_TIMED timed, MIN_OBSERVED requests' acceptance."""
+        return self.verify_times[greedy, nodes][0] >= MIN_TIMED and self.accepted[greedy, nodes][0] >= MIN_OBSERVED
 
     def _unexplored(self, greedy: bool) -> bool:
         """Whether the window holds too few verify steps to correct the priors by."""
@@ -261,8 +270,12 @@ class TreeChoice:
         return math.exp(max(pooled, plain) if own is None else own)
 
     def accept_length(self, nodes: int, greedy: bool) -> float:
-        """Tokens a verify step of the candidate is expected to yield now: its prior scaled by what
-        the window's verify steps accepted against their trees' priors."""
+        """Tokens a verify step of the candidate is expected to yield now: what its own verify
+        steps in the window yielded, once MIN_OBSERVED requests' are in; else its prior scaled by
+        what the window's verify steps accepted against their trees' priors."""
+        requests, accepted, _ = self.accepted[greedy, nodes]
+        if requests >= MIN_OBSERVED:
+            return 1 + accepted / requests
         prior = self.prior[nodes]
         requests, accepted, expected = self.accepted[greedy]
         if prior is None:  # nothing measured with the heads: what the window saw, else try it
@@ -276,7 +289,7 @@ class TreeChoice:
         step, whose drafts were made a token earlier, each depth's by a head further out (what the
         choice weighs is what verifying in a row yields)."""
         if self.force is None and self.previous:
-            self.accepted.add(self.steps, (greedy,), (requests, accepted, requests * ((self.prior[nodes] or 1) - 1)))
+            self.accepted.add(self.steps, (greedy, (greedy, nodes)), (requests, accepted, requests * ((self.prior[nodes] or 1) - 1)))
 
     def timed(self, nodes: int, greedy: bool, requests: int, ms: float) -> None:
         """A decode step (no prompt work) of `requests` requests, verifying the `nodes` candidate
