@@ -23,8 +23,8 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   by the last WINDOW_STEPS decode steps (greedy and sampled batches apart). accept_length(tree)
   is what the tree's own verify steps yielded, once MIN_OBSERVED requests' are in the window;
   else the expected one scaled by what verify steps accepted against what they were expected to
-  (once MIN_OBSERVED requests' verifies are in the window). The step times are scaled by what steps took against warmup's
-  times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
+  (once MIN_OBSERVED requests' verifies are in the window). The step times are scaled by what
+  steps took against warmup's times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
   the machine's speed drifts over a run (by up to 2x over a minute on a 2-core VM). Each step
   is compared with warmup's time for a step taken as it was: a plain step right after a verify
   step takes longer than one after plain steps (on a 2-core VM 2.1 ms against 1.6, about six
