@@ -56,9 +56,10 @@ from sala.medusa.tree import MedusaTree, build_tree, by_acceptance, expected_acc
 from sala.sampling import InvalidParam, SamplingParams, inverse_cdf, sample, token_logprobs, uniforms
 
 log = logging.getLogger(__name__)
-# Warmup times each kind of step TIMED_BLOCK steps in a row, in turn, TIMED_ROUNDS times: a plain
-# step right after verify steps takes longer than one after plain steps (at batch 1 on the 2-core VM
-# 2.1 ms against 1.6, within 10% after SETTLED plain steps), and the choice weighs runs of each kind.
+# Warmup times each candidate in TIMED_ROUNDS rounds, the candidates in turn, a round being TIMED_BLOCK
+# verify steps in a row then TIMED_BLOCK plain ones: a plain step right after verify steps takes longer
+# than one after plain steps (at batch 1 on the 2-core VM 2.1 ms against 1.6, within 10% after SETTLED
+# plain steps), and the choice weighs runs of each kind.
 TIMED_BLOCK, TIMED_ROUNDS, SETTLED = 6, 3, 3
 
 # What a verify step accepts by (`step_kind`).
@@ -211,7 +212,10 @@ class MedusaDecoding:
         verify steps (PROBE) and of each candidate's verify step, greedy and sampled, at batch
         sizes 1, 2, 4, ... up to max_seqs (and medusa_max_batch). A batch's candidates are timed
         smallest first until one of 8 nodes or more is clearly below both the best of them and
-        plain decoding; larger batches are not timed once no candidate pays at one (a verify's
+        plain decoding, then TIMED_ROUNDS - 1 times more in turn: the machine's speed drifts
+        within a batch size's timing, and a candidate timed in one stretch took its noise whole
+        (at batch 1 on the 2-core VM, the 4-node tree timed 21% dearer than the 3-node one, which
+        ran 8% slower). Larger batches are not timed once no candidate pays at one (a verify's
         cost grows with the batch faster than a decode step's)."""
         choice, cap = self.choice, self.config.max_seqs
         if choice.max_batch is not None:
@@ -220,20 +224,19 @@ class MedusaDecoding:
         for n in sorted({min(2**i, cap) for i in range(cap.bit_length() + 1)} - {0}):
             row = timed[n] = {}
             for greedy in (True, False):
-                runs, best = {}, 0.0
+                runs, best = {}, 0.0  # candidate -> (plain, probe, verify) ms of each of its rounds
                 for nodes in sorted(choice.prior):
-                    runs[nodes] = self._time_runs(engine, prompt, n, greedy, nodes)
-                    # Each time against the plain steps timed beside it, scaled to the plain time of the
-                    # whole batch size: the machine's speed drifts between candidates.
-                    plain = row[(greedy, 0)] = median([p for p, _, _ in runs.values()])
-                    row[(greedy, PROBE)] = plain * median([probe / p for p, probe, _ in runs.values()])
-                    verify = at_least_smaller_trees({k: v * plain / p for k, (p, _, v) in runs.items()})
-                    row.update({(greedy, k): ms for k, ms in verify.items()})
+                    runs[nodes] = [self._time_runs(engine, prompt, n, greedy, nodes)]
+                    row.update(step_times(runs, greedy))
                     speedup = choice.speedup(row, nodes, greedy)
                     # Past the best tree and past plain decoding: a verify's fixed cost makes small trees no guide.
                     if speedup < 0.8 * max(best, 1.0) and nodes >= 8:
                         break
                     best = max(best, speedup)
+                for _ in range(TIMED_ROUNDS - 1):
+                    for nodes, rounds in runs.items():
+                        rounds.append(self._time_runs(engine, prompt, n, greedy, nodes))
+                row.update(step_times(runs, greedy))
             if max(choice.speedup(row, nodes, greedy) for greedy, nodes in row if nodes > 0) < MIN_SPEEDUP:
                 break
         choice.step_ms = timed
@@ -241,17 +244,17 @@ class MedusaDecoding:
     def _time_runs(self, engine, prompt: list[int], n: int, greedy: bool, nodes: int) -> tuple[float, float, float]:
         """Median ms, over n decoding requests (steps with no prompt work), of a plain decode step
         SETTLED or more steps into a run of them, of the first plain step after verify steps, and
-        of a verify step of the `nodes` tree after another: TIMED_ROUNDS runs of TIMED_BLOCK steps
-        of each kind in turn."""
+        of a verify step of the `nodes` tree after another: a run of TIMED_BLOCK verify steps, then
+        one of TIMED_BLOCK plain steps."""
         depth = self.verifies[nodes].tree.max_depth
-        tokens = TIMED_ROUNDS * TIMED_BLOCK * (depth + 2) + 8
+        tokens = TIMED_BLOCK * (depth + 2) + 8
         params = SamplingParams(max_tokens=min(tokens, self.cache.max_tokens - 1),
-                                temperature=0 if greedy else 1, seed=0, ignore_eos=True)
+                                temperature=0.0 if greedy else 1.0, seed=0, ignore_eos=True)
         reqs = [engine.add_request(prompt, params) for _ in range(n)]
         ms = {"plain": [], "probe": [], "verify": []}
         taken = 0  # steps timed; a verify run comes first, so that every plain run follows verify steps
         with self.choice.forcing(nodes):
-            while taken < 2 * TIMED_ROUNDS * TIMED_BLOCK and engine.has_work():
+            while taken < 2 * TIMED_BLOCK and engine.has_work():
                 before = engine.stats()
                 pure = before.waiting == 0 and not any(r.prefilling for r in reqs if not r.finish_reason)
                 at = taken % TIMED_BLOCK
@@ -273,6 +276,18 @@ class MedusaDecoding:
         while engine.has_work():
             engine.step()
         return median(ms["plain"]), median(ms["probe"]), median(ms["verify"])
+
+
+def step_times(runs: dict[int, list[tuple[float, float, float]]], greedy: bool) -> dict[tuple[bool, int], float]:
+    """step_ms's entries for one batch size and kind of batch from each candidate's timed rounds
+    ((plain, probe, verify) ms): plain, the median of every round's; a probe's and each verify's,
+    that times the median of their ratio to the plain steps timed beside them (the machine's speed
+    drifts between rounds); each verify at least every smaller tree's."""
+    rounds = [r for timed in runs.values() for r in timed]
+    plain = median([p for p, _, _ in rounds])
+    verify = at_least_smaller_trees({k: plain * median([v / p for p, _, v in timed]) for k, timed in runs.items()})
+    return {(greedy, 0): plain, (greedy, PROBE): plain * median([probe / p for p, probe, _ in rounds]),
+            **{(greedy, k): ms for k, ms in verify.items()}}
 
 
 def at_least_smaller_trees(verify_ms: dict[int, float]) -> dict[int, float]:
@@ -319,23 +334,23 @@ class TreeVerify:
         self.indices = TreeIndices(tree.parents, retrieve if retrieve.shape[0] > 1 else retrieve.repeat(2, 1))
         self.links = structured.tree_links(tree.parents.tolist())  # what a grammar walks the tree by
         self.fast_verify, self.fast_greedy, self.fast_sampled = graphs or (None, None, None)
+        self.page_offsets = torch.arange(self.cache.page_size, device=self.cache.device)
 
     def inputs(self, reqs: list[Request]) -> tuple[torch.Tensor, StepContext]:
         """Each request's draft tree (R * T tokens) and the step context that verifies them."""
         cache, dev, tree = self.cache, self.cache.device, self.tree
-        roots = torch.tensor([r.last_token for r in reqs], device=dev)
-        candidates = torch.cat([roots[:, None], tree_drafts(reqs).flatten(1)], 1)
-        tokens = candidates[:, tree.candidate_indices]
-        computed = torch.tensor([r.num_computed for r in reqs], device=dev)
         # Rows of every committed position and of the deepest path after them (the commit's destinations).
         width = max(r.num_computed for r in reqs) + tree.retrieve_indices.shape[1]
         pages = cache.pages_for(width)
+        # A verify step's host work is a share of its cost on a small model: one tensor for the
+        # per-request numbers, one for the page tables, each row contiguous.
+        roots, computed, state_slots = torch.tensor([[r.last_token for r in reqs], [r.num_computed for r in reqs],
+                                                     [r.state_slot for r in reqs]], device=dev)
         tables = torch.tensor([r.pages[:pages] + [cache.scratch_page] * (pages - len(r.pages[:pages])) for r in reqs],
                               device=dev)
-        pos = torch.arange(width, device=dev)
-        kv_rows = tables[:, pos // cache.page_size] * cache.page_size + pos % cache.page_size
+        kv_rows = (tables[:, :, None] * cache.page_size + self.page_offsets).flatten(1)[:, :width].contiguous()
+        tokens = torch.cat([roots[:, None], tree_drafts(reqs).flatten(1)], 1)[:, tree.candidate_indices]
         positions = (computed[:, None] + tree.depths).flatten()
-        state_slots = torch.tensor([r.state_slot for r in reqs], device=dev)
         step = TreeStep(depths=tree.depths, ancestor_mask=tree.ancestor_mask, kv_rows=kv_rows, kv_lens=computed,
                         state_slots=state_slots, parents=tree.parents, levels=self.levels)
         return tokens.flatten(), StepContext(cache=cache, positions=positions,
@@ -349,7 +364,8 @@ class TreeVerify:
             decided = self.fast_greedy(self.indices, tokens, ctx, self._room(reqs))
         elif kind == TEMPERED and self.fast_sampled is not None:
             dev = tokens.device
-            temperature = torch.tensor([r.params.temperature for r in reqs], device=dev)
+            # float32 whatever the request gave (an int temperature would be another graph to compile)
+            temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
             sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
             u = torch.zeros(len(reqs), dtype=torch.float64)
             u[sampled] = uniforms([reqs[i] for i in sampled])

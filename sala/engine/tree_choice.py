@@ -21,21 +21,23 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
   timing at a batch size where nothing pays; a larger candidate only where it is expected at
   LARGER_BY times a smaller one, unless the window has measured it). Both factors are corrected
   by the last WINDOW_STEPS decode steps (greedy and sampled batches apart). accept_length(tree)
-  is what the tree's own verify steps yielded, once MIN_OBSERVED requests' are in the window;
-  else the expected one scaled by what verify steps accepted against what they were expected to
-  (once MIN_OBSERVED requests' verifies are in the window). The step times are scaled by what
-  steps took against warmup's times for them (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window):
-  the machine's speed drifts over a run (by up to 2x over a minute on a 2-core VM). Each step
+  is the expected one scaled by what the window's verify steps, of every candidate, accepted
+  against what they were expected to (once MIN_OBSERVED requests' verifies are in the window):
+  a candidate's own steps say more of the texts decoding while it verified than of the tree.
+  The step times are scaled by what steps took against warmup's times for them
+  (`TreeChoice.time_scale`, once MIN_TIMED steps of a kind are in the window): the machine's
+  speed drifts over a run (by up to 2x over a minute on a 2-core VM). Each step
   is compared with warmup's time for a step taken as it was: a plain step right after a verify
   step takes longer than one after plain steps (on a 2-core VM 2.1 ms against 1.6, about six
   steps to recover: the verify step's code and data displace the plain step's), so the first
   is compared with the probe's time, and a verify right after a plain step is not timed. While
   it verifies, at least one decode step in PROBE_EVERY is plain, so that what a plain step
   takes now is known beside what verify steps take (one in PROBE_SOON until MIN_TIMED are),
-  and EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY verify the runner-up until the
-  window has measured it (MIN_TIMED of its steps timed, MIN_OBSERVED requests' acceptance), if
-  it is expected at RIVAL_WITHIN of the chosen one or more: a candidate is judged by its own
-  steps once it has taken them.
+  and EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY verify a rival, the candidate
+  expected to do best of those the window has not measured (MIN_TIMED of its steps timed) if it
+  is expected at RIVAL_WITHIN of the chosen one or more, then the next: a candidate's time is
+  judged by its own steps once it has taken them, and warmup's times are noisy enough to rank
+  close candidates wrongly.
   While it decodes plainly and the window holds too few verify steps, EXPLORE_STEPS steps in a
   row out of every EXPLORE_EVERY verify the top candidate if it is expected at MIN_EXPLORED or
   more, so that a tree warmup misjudged gets measured (sampled requests accept by typical
@@ -48,10 +50,10 @@ depth, whatever tree reads them). medusa_nodes (the engine setting):
 - N: the N-node candidate at every step; 0: never verify.
 
 The choice is made every decode step, so it costs the step next to nothing: the windows keep
-running sums (`Window`), and the best candidate at a batch size is remembered until what it was
-weighed by changes. Plain steps' times scale every candidate alike, so decoding plainly, which
-times every step, weighs the candidates again only when a verify step's acceptance or time
-enters or leaves the window.
+running sums (`Window`), and the candidates at a batch size are weighed again only once what
+they are weighed by has changed and REWEIGH_EVERY steps have passed (`Top`). Plain steps' times
+scale every candidate alike, so decoding plainly, which times every step, weighs them again only
+when a verify step's acceptance or time enters or leaves the window.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ import math
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from sala.engine.stats import ChosenTree
 
@@ -70,7 +73,7 @@ MIN_OBSERVED = 16  # requests' verifies in the window before they correct the ex
 # plain probes and the first verify after a plain step (its drafts made a token earlier: tree_drafts), and it is noisy.
 MIN_SPEEDUP = 1.15
 # A larger candidate is chosen over a smaller one only if expected at LARGER_BY times as much, unless the
-# window has measured it (`_measured`: its own steps' times and acceptance): what warmup's estimate leaves
+# window has measured it (`_measured`: its own steps' times): what warmup's estimate leaves
 # out weighs more with a larger tree, and its figures are noisier (on the 2-core VM: a 12-node tree
 # expected at 1.46x ran at 1.15x where the 4-node one ran at 1.30x; sampled, a 6-node tree the window
 # preferred by its pooled corrections ran at 1.31x, the 4-node one at 1.49x).
@@ -84,12 +87,17 @@ PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are 
 # by warmup, ran at 1.09x; typical acceptance kept 2.22 tokens a step where 1.91 were expected).
 MIN_EXPLORED = 0.8
 EXPLORE_EVERY, EXPLORE_STEPS = 16, 4  # in a row: the first verify after plain steps has drafts made tokens earlier
-# While it verifies, the runner-up (the candidate expected to do best but for the chosen one) is verified
-# the same way if expected at RIVAL_WITHIN of the chosen one or more, until the window has measured it:
-# the window judges a candidate by its own steps only once it has taken them, so warmup's ranking of two
-# close candidates would stand (on tiny-sala at batch 1: the 2-node tree chosen at 1.24x ran at 1.20x,
-# the 4-node one, expected at 1.19x, at 1.33x).
+# While it verifies, each candidate expected at RIVAL_WITHIN of the chosen one or more is verified the
+# same way until the window has measured it, the one expected to do best first: the window judges a
+# candidate's time by its own steps only once it has taken them, so warmup's ranking of close candidates
+# would stand (on tiny-sala at batch 1: the 2-node tree chosen at 1.24x ran at 1.20x, the 4-node one,
+# expected at 1.19x, at 1.33x; with only the runner-up measured, the 3- and 8-node trees took the steps
+# while the 4-node one, third by warmup's times, ran at 1.48x forced).
 RIVAL_WITHIN = 0.92
+# The choice at a batch size is weighed again once what it is weighed by has changed and
+# REWEIGH_EVERY decode steps have passed since: a step moves a window's mean by about
+# 1/WINDOW_STEPS, and weighing a dozen candidates at every step cost ~35 us (2% of a batch-1 step).
+REWEIGH_EVERY = 8
 VERIFY = -1  # the node count under which `TreeChoice.verify_times` sums the verify steps of every candidate
 PROBE = -2  # the node count under which step_ms holds a plain step right after verify steps (a probe)
 MAX_LOG_DRIFT = 1.0  # a step's time counts as at most e times (at least 1/e) warmup's
@@ -140,6 +148,19 @@ class Window:
                 sums[i] += sign * v
 
 
+class Top(NamedTuple):
+    """The candidates at a batch size as weighed: the top one, its speedup but for the plain
+    steps' drift (a factor common to every candidate), the rival (the candidate expected to do
+    best of those the window has not measured, if within RIVAL_WITHIN of the top one; 0: none),
+    and what they were weighed at."""
+
+    weighed_at: tuple  # the windows' change counts, and whether plain steps were timed enough
+    step: int  # the decode step
+    nodes: int
+    gain: float
+    rival: int
+
+
 @dataclass
 class TreeChoice:
     """Which candidate tree (by node count; 0: none) a step verifies: see the module docstring."""
@@ -152,8 +173,7 @@ class TreeChoice:
     # (what is read from it is remembered)
     step_ms: dict[int, dict[tuple[bool, int], float]] = field(default_factory=dict)
     force: int | None = None  # set while warmup compiles or times one kind of step
-    # greedy -> [requests, drafts accepted, drafts the priors expected] of the window's verify steps;
-    # (greedy, nodes) -> the same of the candidate's
+    # greedy -> [requests, drafts accepted, drafts the priors expected] of the window's verify steps
     accepted: Window = field(default_factory=lambda: Window(3))
     # greedy -> [steps, sum of log(ms it took / warmup's time for it)] of the window's plain decode steps
     plain_times: Window = field(default_factory=lambda: Window(2))
@@ -163,8 +183,8 @@ class TreeChoice:
     steps: int = 0  # decode steps chosen for so far
     previous: int = 0  # the candidate the decode step before the last one chosen verified (0: none)
     current: int = 0  # ... and the last one's
-    # What is read from step_ms (`_times`: n -> step_times(n)), and at each (n, greedy) the top
-    # candidate with its speedup but for the plain steps' drift, beside what it was weighed at.
+    # What is read from step_ms (`_times`: n -> step_times(n)), and at each (n, greedy) the candidates
+    # as last weighed (`Top`).
     _read_from: dict | None = field(default=None, repr=False)
     _times: dict = field(default_factory=dict, repr=False)
     _tops: dict = field(default_factory=dict, repr=False)
@@ -189,16 +209,16 @@ class TreeChoice:
             return 0
         if self.fixed or not self.step_ms:
             return max(self.prior)
-        nodes, speedup = self.top(n, greedy)
+        top = self._weighed(n, greedy, REWEIGH_EVERY)
+        speedup = top.gain * self._plain_drift(greedy)
         looks = self.steps % EXPLORE_EVERY < EXPLORE_STEPS
         if speedup >= MIN_SPEEDUP:
             every = PROBE_EVERY if self.plain_times[greedy][0] >= MIN_TIMED else PROBE_SOON
             if self.steps - self.last_plain[greedy] >= every:
                 return 0  # a probe
-            rival = self._tops[n, greedy][3]
-            return rival if looks and rival and not self._measured(rival, greedy) else nodes
+            return top.rival if looks and top.rival and not self._measured(top.rival, greedy) else top.nodes
         # A look: what verify steps take and accept now, when the window has too few.
-        return nodes if looks and speedup >= MIN_EXPLORED and self._unexplored(greedy) else 0
+        return top.nodes if looks and speedup >= MIN_EXPLORED and self._unexplored(greedy) else 0
 
     def best(self, n: int, greedy: bool) -> tuple[int, float]:
         """The candidate with the most expected tokens/s at n requests and its speedup over plain
@@ -208,27 +228,31 @@ class TreeChoice:
 
     def top(self, n: int, greedy: bool) -> tuple[int, float]:
         """The candidate with the most expected tokens/s at n requests, and its speedup over plain
-        decoding; (0, 0.0) where none is timed. Weighing them also finds the runner-up (0: none
-        within RIVAL_WITHIN), kept beside it in `_tops`."""
+        decoding; (0, 0.0) where none is timed."""
+        top = self._weighed(n, greedy, 0)
+        return top.nodes, top.gain * self._plain_drift(greedy)
+
+    def _weighed(self, n: int, greedy: bool, settle: int) -> Top:
+        """The candidates at n requests weighed (`Top`): again if what they are weighed by has
+        changed since and `settle` decode steps have passed."""
         times = self.step_times(n)
         weighed_at = (self.accepted.changes, self.verify_times.changes, self.plain_times[greedy][0] >= MIN_TIMED)
         top = self._tops.get((n, greedy))
-        if top is None or top[0] != weighed_at:
+        if top is None or (top.weighed_at != weighed_at and self.steps - top.step >= settle):
             gains = {nodes: self._verify_gain(times, nodes, greedy) for nodes in sorted(self.prior)}
             best = (0, 0.0)
             for nodes, gain in gains.items():
                 if gain > best[1] * (1.0 if self._measured(nodes, greedy) else LARGER_BY):
                     best = (nodes, gain)
-            others = [k for k in gains if k != best[0]]
-            rival = max(others, key=gains.get) if best[0] and others else 0
-            rival = rival if rival and gains[rival] >= RIVAL_WITHIN * best[1] else 0
-            top = self._tops[n, greedy] = (weighed_at, *best, rival)
-        return top[1], top[2] * self._plain_drift(greedy)
+            rivals = [k for k in gains if k != best[0] and gains[k] >= RIVAL_WITHIN * best[1] and not self._measured(k, greedy)]
+            rival = max(rivals, key=gains.get) if best[0] and rivals else 0
+            top = self._tops[n, greedy] = Top(weighed_at, self.steps, *best, rival)
+        return top
 
     def _measured(self, nodes: int, greedy: bool) -> bool:
-        """Whether the window holds enough of the candidate's own verify steps to judge it by
-        them alone: MIN_TIMED timed, MIN_OBSERVED requests' acceptance."""
-        return self.verify_times[greedy, nodes][0] >= MIN_TIMED and self.accepted[greedy, nodes][0] >= MIN_OBSERVED
+        """Whether the window holds MIN_TIMED of the candidate's own verify steps timed: its time
+        is then judged by them alone."""
+        return self.verify_times[greedy, nodes][0] >= MIN_TIMED
 
     def _unexplored(self, greedy: bool) -> bool:
         """Whether the window holds too few verify steps to correct the priors by."""
@@ -270,12 +294,12 @@ class TreeChoice:
         return math.exp(max(pooled, plain) if own is None else own)
 
     def accept_length(self, nodes: int, greedy: bool) -> float:
-        """Tokens a verify step of the candidate is expected to yield now: what its own verify
-        steps in the window yielded, once MIN_OBSERVED requests' are in; else its prior scaled by
-        what the window's verify steps accepted against their trees' priors."""
-        requests, accepted, _ = self.accepted[greedy, nodes]
-        if requests >= MIN_OBSERVED:
-            return 1 + accepted / requests
+        """Tokens a verify step of the candidate is expected to yield now: its prior scaled by
+        what the window's verify steps, of every candidate, accepted against their trees' priors.
+        Not by its own steps alone: those come from the texts that were decoding when it
+        verified, and texts differ more than trees do (on tiny-sala at batch 1, the 4-node tree's
+        own steps in the window kept from 1.56 to 2.53 tokens a step over one run), while the
+        priors' ratios between trees are measured on the same validation text."""
         prior = self.prior[nodes]
         requests, accepted, expected = self.accepted[greedy]
         if prior is None:  # nothing measured with the heads: what the window saw, else try it
@@ -289,7 +313,7 @@ class TreeChoice:
         step, whose drafts were made a token earlier, each depth's by a head further out (what the
         choice weighs is what verifying in a row yields)."""
         if self.force is None and self.previous:
-            self.accepted.add(self.steps, (greedy, (greedy, nodes)), (requests, accepted, requests * ((self.prior[nodes] or 1) - 1)))
+            self.accepted.add(self.steps, (greedy,), (requests, accepted, requests * ((self.prior[nodes] or 1) - 1)))
 
     def timed(self, nodes: int, greedy: bool, requests: int, ms: float) -> None:
         """A decode step (no prompt work) of `requests` requests, verifying the `nodes` candidate

@@ -247,6 +247,11 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
                     for _ in range(2)]
         assert runs[0] == runs[1] and runs[0][3] == plain[2].token_ids, f"the {nodes}-node tree"
         assert set(calls) == {nodes + 1}, "the sampled graph did not run"
+    # A temperature given as an int runs the same graph (another would compile mid-run: 4 s).
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with medusa.choice.forcing(4):
+        engine.generate(prompts[:2], [SamplingParams(max_tokens=N_NEW, temperature=1, seed=i, ignore_eos=True) for i in (0, 1)])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     # With the choice left to itself, every decode step with no prompt work is timed against
     # warmup's time for its kind, but a verify right after a plain step (warmup times verify steps
     # after verify steps); nothing else is (the forced steps above were not).
@@ -360,37 +365,52 @@ def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_payin
     assert [fixed(n) for n in (1, 2, 3)] == [8, 8, 0]
 
 
+def decode_one(choice, ms: dict[int, float], steps: int) -> list[int]:
+    """The trees `steps` decode steps of one request take under the choice, each step taking
+    ms[nodes] and, verifying, accepting what the tree's prior says."""
+    taken = []
+    for _ in range(steps):
+        nodes = choice(1)
+        choice.timed(nodes, True, 1, ms[nodes])
+        if nodes:
+            choice.observe(nodes, True, requests=1, accepted=choice.prior[nodes] - 1)
+        taken.append(nodes)
+    return taken
+
+
+def test_tree_choice_verifies_every_close_candidate_the_window_has_not_measured():
+    """Warmup ranked three close trees 2 > 3 > 4 nodes, and the 4-node one is in truth the best:
+    the 3-node tree is verified until measured, then the 4-node one (both within RIVAL_WITHIN of
+    the chosen one), which then takes the steps. Measuring only the runner-up, the 4-node tree
+    would never be verified."""
+    from sala.engine.tree_choice import MIN_TIMED, PROBE, RIVAL_WITHIN, TreeChoice
+
+    choice = TreeChoice(prior={2: 1.6, 3: 1.8, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
+    choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.25, (True, 3): 1.42, (True, 4): 1.6,
+                          (True, 16): 4.0}}
+    # By warmup: 1.28x, 1.27x, 1.25x (all within RIVAL_WITHIN of 1.28x), 0.6x. In truth the 4-node
+    # tree takes 1.45 ms: 1.38x.
+    assert choice.top(1, True) == (2, pytest.approx(1.28)) and 2.0 / 1.6 >= RIVAL_WITHIN * 1.28
+    taken = decode_one(choice, {0: 1.0, 2: 1.25, 3: 1.42, 4: 1.45}, 480)
+    first = {nodes: taken.index(nodes) for nodes in (3, 4)}
+    assert first[3] < first[4] and taken.count(3) >= MIN_TIMED and 16 not in taken
+    assert set(taken[len(taken) // 2:]) <= {0, 4}
+
+
 def test_tree_choice_verifies_the_runner_up_until_its_own_steps_correct_its_time():
     """Warmup timed the 4-node tree dearer than it is: expected at 0.95x the 2-node tree it is
     the runner-up, verified EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY until the
-    window has measured it (MIN_TIMED of its steps timed, MIN_OBSERVED requests' acceptance); its
-    own steps correct its time, and it is chosen though only 1.04x the 2-node tree (LARGER_BY is
-    for trees the window has not measured). Where warmup timed it right, it is not, and it stops
-    being verified once measured."""
-    from sala.engine.tree_choice import (
-        EXPLORE_EVERY,
-        EXPLORE_STEPS,
-        LARGER_BY,
-        MIN_OBSERVED,
-        MIN_TIMED,
-        PROBE,
-        RIVAL_WITHIN,
-        TreeChoice,
-    )
+    window has measured it (MIN_TIMED of its steps timed); its own steps correct its time, and it
+    is chosen though only 1.04x the 2-node tree (LARGER_BY is for trees the window has not
+    measured). Where warmup timed it right, it is not, and it stops being verified once measured."""
+    from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, LARGER_BY, MIN_TIMED, PROBE, RIVAL_WITHIN, TreeChoice
 
     def run(four_ms: float, steps: int = 480) -> tuple[list[int], TreeChoice]:
         choice = TreeChoice(prior={2: 1.6, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
         choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.25, (True, 4): 1.65, (True, 16): 4.0}}
         # 2 nodes: 1.6 / 1.25 = 1.28x; 4 nodes: 2.0 / 1.65 = 1.21x, within RIVAL_WITHIN of it; 16: 0.6x.
         assert choice.top(1, True) == (2, pytest.approx(1.28)) and 2.0 / 1.65 >= RIVAL_WITHIN * 1.28
-        taken = []
-        for _ in range(steps):
-            nodes = choice(1)
-            choice.timed(nodes, True, 1, {0: 1.0, 2: 1.25, 4: four_ms}[nodes])
-            if nodes:  # each request accepts what the prior says
-                choice.observe(nodes, True, requests=1, accepted=choice.prior[nodes] - 1)
-            taken.append(nodes)
-        return taken, choice
+        return decode_one(choice, {0: 1.0, 2: 1.25, 4: four_ms}, steps), choice
 
     cheaper, choice = run(1.5)  # in truth 2.0 / 1.5 = 1.33x, 1.04x the 2-node tree's 1.28x
     assert 2.0 / 1.5 < LARGER_BY * 1.28
@@ -398,12 +418,40 @@ def test_tree_choice_verifies_the_runner_up_until_its_own_steps_correct_its_time
     assert first[:EXPLORE_STEPS].count(4) >= EXPLORE_STEPS - 1 and set(first[EXPLORE_STEPS:]) <= {0, 2}
     switched = next(i for i in range(len(cheaper)) if set(cheaper[i:]) <= {0, 4})
     looked = cheaper[:switched].count(4)
-    assert max(MIN_TIMED, MIN_OBSERVED) <= looked <= 2 * MIN_OBSERVED and switched < len(cheaper) // 2
+    assert MIN_TIMED <= looked <= 2 * MIN_TIMED and switched < len(cheaper) // 2
     # The 16-node tree, never verified, is not taken as cheaper for what the 4-node tree's steps said.
     assert choice.time_scale(4, True) == pytest.approx(1.65 / 1.5) and choice.time_scale(16, True) == 1.0
     as_timed, _ = run(1.65)
     assert set(as_timed[len(as_timed) // 2:]) <= {0, 2}  # its own steps say warmup was right
-    assert max(MIN_TIMED, MIN_OBSERVED) <= as_timed.count(4) <= 2 * MIN_OBSERVED
+    assert MIN_TIMED <= as_timed.count(4) <= 2 * MIN_TIMED
+
+
+def test_tree_choice_scales_every_candidates_acceptance_by_the_windows_not_by_its_own_steps():
+    """Texts differ more than trees do: the 2-node tree verified on easy text (all of its prior's
+    drafts and more), then the 4-node one on hard text (half of its prior's). Each candidate's
+    accept length is its prior scaled by what every verify step in the window accepted against
+    its tree's prior (worked by hand below), so the 4-node tree, the better one by the priors and
+    warmup's times, stays chosen; judged by its own steps it would look worse than the 2-node tree."""
+    from sala.engine.tree_choice import MIN_OBSERVED, MIN_TIMED, PROBE, TreeChoice
+
+    choice = TreeChoice(prior={2: 1.6, 4: 2.0}, max_batch=None, fixed=False, steps=10, previous=2, current=2)
+    choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.2, (True, 4): 1.4}}
+    for nodes, accepted in ((2, 0.9), (4, 0.5)):  # drafts a step, against priors of 0.6 and 1.0
+        step(choice, nodes)  # verify steps after verify steps: each counted and timed
+        for _ in range(MIN_OBSERVED):
+            step(choice, nodes)
+            choice.steps += 1
+            choice.observe(nodes, True, requests=1, accepted=accepted)
+            choice.timed(nodes, True, 1, choice.step_ms[1][True, nodes])
+        step(choice, 0)
+        for _ in range(MIN_TIMED):
+            choice.timed(0, True, 1, 1.0)
+    scale = (0.9 + 0.5) / (0.6 + 1.0)
+    assert choice.accept_length(2, True) == pytest.approx(1 + scale * 0.6)
+    assert choice.accept_length(4, True) == pytest.approx(1 + scale * 1.0)
+    # 2 nodes: (1 + 0.875 x 0.6) / 1.2 = 1.27x; 4 nodes: 1.875 / 1.4 = 1.34x. By their own steps
+    # they would be 1.9 / 1.2 = 1.58x and 1.5 / 1.4 = 1.07x.
+    assert choice.best(1, True) == (4, pytest.approx(1.875 / 1.4))
 
 
 def test_tree_choice_corrects_warmups_step_times_by_the_steps_it_takes():
