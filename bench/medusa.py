@@ -8,20 +8,20 @@ batch 1, 4, 16 and 32, greedy and sampled; accept length and acceptance per dept
 Both engines are the fast ones: plain decode compiled with inductor on CPU (CUDA graphs on
 GPU), Medusa's verify steps compiled the same way on CPU (one pair of graphs for every tree,
 medusa_decoding.CompiledTreeVerify); both are warmed up before anything is timed, and the
-Medusa engine's warmup times the steps its choice is made by (printed). Prompts: windows of
-the model's held-out text, which the heads never saw; ignore_eos, `batch` requests in flight
-(one that finishes is replaced at once, as in a server). Sampled: temperature 0.7, a seed a
-request. Each run of Medusa (the engine's choice, or a fixed tree verified at every step) is
-timed against plain decoding of the same prompts, the two engines taking turns every `batch`
-prompts (`alternating`), and its speedup is its tokens/s over plain's; the variants take turns
-within each of `--repeats` rounds, and the figure printed is the median over the rounds (this
-machine's speed drifts by up to 2x over a minute). Accept length counts the bonus token (plain
-decoding scores 1.00), as Spec-Bench; acceptance per depth is the share of verify steps that
-accepted a draft at that depth; "trees used" is the share of decode steps that verified each
-tree size (0: plain). Greedy outputs must equal plain greedy's (checked). `--uniform`: accept
-length of the given heads against heads trained with `--weighting uniform`, on the validation
-windows the weighting matches, with each checkpoint's own tree and with Medusa's mc_sim_7b_63.
-Last line: JSON.
+Medusa engine's warmup times the steps its choice is made by (printed). Prompts: windows of the
+model's held-out text, which the heads never saw; ignore_eos, `batch` requests in flight (one
+that finishes is replaced at once, as in a server). Sampled: temperature 0.7, a seed a request.
+Each run of Medusa (the engine's choice, or a fixed tree verified at every step) is timed
+against plain decoding of the same prompts, the two engines stepped in turns of 50 ms while
+both have `batch` requests in flight (`interleaved`), and its speedup is its tokens/s over
+plain's; the variants take turns within each of `--repeats` rounds, and the figure printed is
+the median over the rounds (this machine's speed drifts by up to 2x over a minute). Accept
+length counts the bonus token (plain decoding scores 1.00), as Spec-Bench; acceptance per depth
+is the share of verify steps that accepted a draft at that depth; "trees used" is the share of
+decode steps that verified each tree size (0: plain). Greedy outputs must equal plain greedy's
+(checked). `--uniform`: accept length of the given heads against heads trained with
+`--weighting uniform`, on the validation windows the weighting matches, with each checkpoint's
+own tree and with Medusa's mc_sim_7b_63. Last line: JSON.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -59,85 +60,104 @@ def validation_prompts(tok, model_dir: Path, n: int) -> list[list[int]]:
     return prompts[:: max(1, len(prompts) // n)][:n]
 
 
+# Each engine's turn in `interleaved`: long enough that switching engines (each step's code and
+# data displace the other's) is a small share of it, short enough that the machine's speed is
+# the same for both over a few turns.
+TURN_S = 0.05
+
+
+class InFlight:
+    """`prompts` (each with its params) on `engine`, `batch` of them in flight, one that finishes
+    replaced at once, as in a server; stepped for a while at a time (`run`)."""
+
+    def __init__(self, engine, prompts: list[list[int]], params: list, batch: int):
+        self.engine, self.pending, self.reqs = engine, list(zip(prompts, params)), []
+        self.batch = min(batch, len(prompts))
+
+    def top_up(self) -> bool:
+        """Start pending prompts while fewer than `batch` are in flight; whether `batch` are."""
+        active = sum(not r.finish_reason for r in self.reqs)
+        while self.pending and active < self.batch:
+            self.reqs.append(self.engine.add_request(*self.pending.pop(0)))
+            active += 1
+        return active == self.batch
+
+    def generated(self) -> int:
+        return sum(len(r.output_ids) for r in self.reqs)
+
+    def run(self, seconds: float = math.inf, full: bool = False) -> float:
+        """Step for `seconds` (only while `batch` requests are in flight, if `full`), or until every
+        prompt is done: the time it took."""
+        start = now = time.perf_counter()
+        while now - start < seconds and (self.top_up() or not full and self.engine.has_work()):
+            self.engine.step()
+            now = time.perf_counter()
+        return now - start
+
+
 def keep_in_flight(engine, prompts: list[list[int]], params: list, batch: int) -> tuple[list, float]:
-    """Run `prompts` (each with its params) keeping `batch` of them in flight, one that finishes
-    replaced at once, as in a server: the requests and the wall time."""
-    pending, reqs = list(zip(prompts, params)), []
-    start = time.perf_counter()
-    while pending or engine.has_work():
-        while pending and sum(not r.finish_reason for r in reqs) < batch:
-            reqs.append(engine.add_request(*pending.pop(0)))
-        engine.step()
-    return reqs, time.perf_counter() - start
+    """Run `prompts` (each with its params) keeping `batch` of them in flight: the requests and the wall time."""
+    run = InFlight(engine, prompts, params, batch)
+    wall = run.run()
+    return run.reqs, wall
 
 
-def run_at_batch(engine, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool, first_seed: int = 0) -> dict:
-    """Decode `prompts` keeping `batch` of them in flight (a finished one is replaced at once, as
-    a server's continuous batching does): the tokens, the wall time, the outputs, and the
-    Medusa counters of this run alone (verify steps, drafts accepted in all and per depth, the
-    tree each decode step verified). Sampled request i is seeded first_seed + i."""
+@contextlib.contextmanager
+def medusa_counts(engine):
+    """Yields a dict that holds, once the block is done, what the Medusa engine's decode steps in
+    it did: verify steps, drafts accepted in all and per depth, and the tree each decode step
+    verified (0: plain)."""
     from collections import Counter
 
-    from sala.engine import SamplingParams
-
-    medusa = engine.decoding if engine.decoding.totals is not None else None
-    used: Counter = Counter()
-    if medusa is not None:  # count what the choice gives each decode step
-        for_step = medusa.for_step
-        medusa.for_step = lambda reqs: (s := for_step(reqs), used.update([s.rows - 1] if reqs else []))[0]
-        spec0 = medusa.totals.copy()
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                             **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": first_seed + i}))
-              for i in range(len(prompts))]
-    reqs, wall = keep_in_flight(engine, prompts, params, batch)
-    outputs = [r.output_ids for r in reqs]
-    out = {"tokens": sum(map(len, outputs)), "wall": wall, "outputs": outputs, "used": used}
-    if medusa is not None:
+    medusa, used, out = engine.decoding, Counter(), {}
+    for_step, before = medusa.for_step, medusa.totals.copy()
+    medusa.for_step = lambda reqs: (s := for_step(reqs), used.update([s.rows - 1] if reqs else []))[0]
+    try:
+        yield out
+    finally:
         del medusa.for_step
         s = medusa.totals
-        out["verify_steps"] = s.verify_steps - spec0.verify_steps
-        out["accepted"] = s.accepted_tokens - spec0.accepted_tokens
-        out["per_depth"] = [a - b for a, b in zip(s.accepted_per_depth, spec0.accepted_per_depth
-                                                  + [0] * len(s.accepted_per_depth))]
-    return out
+        out.update(verify_steps=s.verify_steps - before.verify_steps, accepted=s.accepted_tokens - before.accepted_tokens,
+                   per_depth=[a - b for a, b in zip(s.accepted_per_depth, before.accepted_per_depth
+                                                    + [0] * len(s.accepted_per_depth))], used=used)
 
 
-def summary(runs: list[dict]) -> dict:
-    """Runs of one engine as one: tokens/s over their summed wall time, outputs in order, and
-    with Medusa accept length (bonus included), acceptance per depth and the share of decode
-    steps that verified each tree size (0: plain)."""
-    from collections import Counter
-
-    from sala.engine.request import accept_length
-
-    out = {"tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["wall"] for r in runs),
-           "outputs": [o for r in runs for o in r["outputs"]]}
-    if "verify_steps" in runs[0]:
-        steps = sum(r["verify_steps"] for r in runs)
-        depth = max(len(r["per_depth"]) for r in runs)
-        used = sum((r["used"] for r in runs), Counter())
-        out["accept_length"] = accept_length(steps, sum(r["accepted"] for r in runs)) if steps else None
-        out["acceptance_per_depth"] = [sum(r["per_depth"][d] for r in runs if d < len(r["per_depth"])) / max(steps, 1)
-                                       for d in range(depth)]
-        out["trees_used"] = {k: n / sum(used.values()) for k, n in sorted(used.items())}
-    return out
-
-
-def alternating(plain, medusa, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool,
+def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool,
                 nodes: int | None) -> tuple[dict, dict]:
     """Plain decoding and Medusa (the engine's choice, or the `nodes` tree at every step) over
-    the same prompts, taking turns every `batch` prompts, the one going first alternating too:
-    this machine's speed drifts (by up to 2x over a minute, measured on the 2-core VM), so
-    each engine's tokens/s is taken over the same stretches of time."""
-    runs: dict[str, list] = {"plain": [], "medusa": []}
-    for i, start in enumerate(range(0, len(prompts), batch)):
-        chunk = prompts[start : start + batch]
-        turns = [("plain", plain), ("medusa", medusa)]
-        for name, engine in turns if i % 2 == 0 else turns[::-1]:
-            forcing = medusa.decoding.choice.forcing(nodes) if name == "medusa" and nodes else contextlib.nullcontext()
-            with forcing:
-                runs[name].append(run_at_batch(engine, chunk, batch, max_tokens, greedy, first_seed=start))
-    return summary(runs["plain"]), summary(runs["medusa"])
+    the same prompts, `batch` requests in flight in each, stepped in turns of TURN_S seconds,
+    the one going first alternating: this machine's speed drifts (by up to 2x over a minute,
+    measured on the 2-core VM), so each engine's tokens/s is taken over its turns while both
+    have `batch` requests in flight, the same stretches of time at every batch size. What is
+    left then runs untimed, for the outputs. Medusa's counters (accept length, acceptance per
+    depth, the trees each decode step used) are over its whole run. Sampled request i is seeded
+    i."""
+    from sala.engine import SamplingParams
+    from sala.engine.request import accept_length
+
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                             **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))
+              for i in range(len(prompts))]
+    runs = [InFlight(plain, prompts, params, batch), InFlight(medusa, prompts, params, batch)]
+    timed = [[0, 0.0], [0, 0.0]]  # [tokens, seconds] of each engine's turns
+    forcing = medusa.decoding.choice.forcing(nodes) if nodes else contextlib.nullcontext()
+    with forcing, medusa_counts(medusa) as counts:
+        turn = 0
+        while all(r.top_up() for r in runs):
+            for i in (0, 1) if turn % 2 == 0 else (1, 0):
+                before = runs[i].generated()
+                timed[i][1] += runs[i].run(TURN_S, full=True)
+                timed[i][0] += runs[i].generated() - before
+            turn += 1
+        for r in runs:
+            r.run()
+    results = [{"tokens_per_s": tokens / seconds, "outputs": [r.output_ids for r in run.reqs]}
+               for (tokens, seconds), run in zip(timed, runs)]
+    steps, used = counts["verify_steps"], counts["used"]
+    results[1].update(accept_length=accept_length(steps, counts["accepted"]) if steps else None,
+                      acceptance_per_depth=[a / max(steps, 1) for a in counts["per_depth"]],
+                      trees_used={k: n / sum(used.values()) for k, n in sorted(used.items())})
+    return results[0], results[1]
 
 
 def main(argv=None) -> int:
@@ -195,7 +215,7 @@ def main(argv=None) -> int:
             pairs = {name: [] for name, _ in variants}
             for _ in range(args.repeats):  # the variants in turn within a repeat: drift spreads over all of them
                 for name, nodes in variants:
-                    p, m = alternating(plain, medusa, prompts, b, args.max_tokens, greedy, nodes)
+                    p, m = interleaved(plain, medusa, prompts, b, args.max_tokens, greedy, nodes)
                     lossless &= not greedy or p["outputs"] == m["outputs"]
                     pairs[name].append((p, m))
             for name, runs in pairs.items():
