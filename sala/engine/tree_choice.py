@@ -79,8 +79,13 @@ MIN_SPEEDUP = 1.15
 # preferred by its pooled corrections ran at 1.31x, the 4-node one at 1.49x).
 LARGER_BY = 1.05
 MIN_TIMED = 8  # steps of a kind in the window before their times correct warmup's
-PROBE_EVERY = 32  # while verifying, a plain step at least this often (the time a plain step takes now)
-PROBE_SOON = 4  # ... and this often while fewer than MIN_TIMED plain steps are in the window
+# While verifying, a plain step (a probe: the time a plain step takes now) at least every PROBE_EVERY
+# decode steps, which keeps MIN_TIMED of them in the window (WINDOW_STEPS / PROBE_EVERY); every
+# PROBE_SOON while fewer are. A probe costs a verify step's gain and more (it runs slower after verify
+# steps, and the verify after it keeps fewer tokens): on tiny-sala at batch 1, with one in 32 the choice
+# ran at 1.33x greedy and 1.50x sampled, with one in 64 at 1.34x and 1.55x.
+PROBE_EVERY = WINDOW_STEPS // MIN_TIMED
+PROBE_SOON = 4
 # A candidate expected at MIN_EXPLORED or more but below MIN_SPEEDUP is still verified, EXPLORE_STEPS
 # steps in every EXPLORE_EVERY, while the window holds too few verify steps: warmup's times and the
 # heads' greedy acceptance misjudge it (measured on tiny-sala, sampled at batch 1: expected 1.07x
