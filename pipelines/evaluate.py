@@ -16,9 +16,9 @@ decode drift: the model under test decodes on its own and the reference (--refer
 --reference-url) scores its path. Exit status: 0 scored (and the --max-kl gate passed), 3 the
 gate failed, 2 bad input or an unusable source. A partial result is never reported as a score.
 
-`score_checkpoint` is the same comparison for other pipelines (the quantize gate, the KV-cache
-plan ablation): a checkpoint directory against a reference, through the engine; `score_medusa`
-the decode drift of a checkpoint served with its Medusa heads (pipelines/train_medusa.py).
+`score_checkpoint` is the quantize pipeline's gate: a checkpoint directory against its reference,
+computed one layer at a time (models larger than memory score too); `score_medusa` the decode
+drift of a checkpoint served with its Medusa heads (pipelines/train_medusa.py).
 """
 from __future__ import annotations
 
@@ -97,27 +97,29 @@ def http_tokenize(source: HTTPSource):
     return lambda text: source.request("POST", "/tokenize", {"prompt": text})["tokens"]
 
 
-def score_checkpoint(candidate: str | Path, reference: str | Path, *, batch_size: int = 8, num_prompts: int = 64,
-                     prompt_tokens: int = 96, max_new_tokens: int = 32, top_k: int = lp.TOP_K,
-                     positions: int = lp.LAST_POSITIONS, drift: bool = False, reference_kwargs: dict | None = None,
-                     **engine_kwargs) -> dict:
-    """Score a checkpoint against a reference checkpoint in this process, both in evaluation mode,
-    on the built-in prompt set -> the summary dict (kl_mean, kl_p99, flip_rate, cosine_mean, ...,
-    and drift_* with drift=True). For the quantize gate, the KV-cache plan ablation (engine_kwargs
-    such as kv_dtypes apply to the candidate; reference_kwargs, e.g. dtype, to the reference) and
-    Medusa."""
-    from sala.eval.engine_source import EngineSource
+def score_checkpoint(candidate: str | Path, reference: str | Path, *, num_prompts: int = 64, prompt_tokens: int = 96,
+                     top_k: int = lp.TOP_K, positions: int = lp.LAST_POSITIONS, windows=None, device=None,
+                     progress=None) -> dict:
+    """Score a checkpoint against a reference checkpoint in this process, one layer at a time
+    (sala/eval/layerwise.py: never a whole model in memory, never both), on the built-in prompt
+    set, each prompt teacher-forced as it is -> the summary dict (kl_mean, kl_p99, flip_rate,
+    cosine_mean, ...). Given held-out `windows` [N, T + 1], their perplexities and full-vocabulary
+    comparison are added as heldout_ppl_reference, heldout_ppl, heldout_kl_mean and
+    heldout_top1_agreement. The quantize pipeline's gate."""
+    import torch
+    from transformers import AutoTokenizer
 
-    ref = EngineSource.from_pretrained(reference, **(reference_kwargs or {}))
-    tok = ref.engine.tokenizer
+    from sala.checkpoint import CheckpointReader
+    from sala.eval.layerwise import gate_scores
+
+    tok = AutoTokenizer.from_pretrained(reference)
     prompts = tokenize_prompts(builtin_rows(num_prompts), lambda t: tok(t)["input_ids"], prompt_tokens)
-    base = lp.collect_baseline(ref, prompts, max_new_tokens=max_new_tokens, batch_sizes=(batch_size,), top_k=top_k,
-                               positions=positions)[batch_size]
-    test = EngineSource.from_pretrained(candidate, **engine_kwargs)
-    summary = lp.compare(base, test, batch_size).summary()
-    if drift:
-        summary |= lp.decode_drift(base, test, ref, batch_size).summary()
-    return summary
+    if windows is None:
+        windows = torch.zeros(0, 2, dtype=torch.long)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    summary, quality = gate_scores(CheckpointReader(reference), CheckpointReader(candidate), prompts, windows,
+                                   positions=positions, top_k=top_k, device=device, progress=progress)
+    return summary | ({f"heldout_{k}": v for k, v in quality.items()} if len(windows) else {})
 
 
 class LosslessError(RuntimeError):

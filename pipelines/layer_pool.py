@@ -1,32 +1,37 @@
-"""The quantize pipeline's workers: a pool of Ray actors, each holding the model and the hidden
-states of some calibration shards, so Ray start-up and model loading are paid once per worker.
+"""The quantize pipeline's workers: a pool of Ray actors that read the checkpoint one decoder
+layer at a time, so no process ever holds the model.
 
-The calibration set is cut into a fixed number of shards, whatever the number of workers. An
-actor runs its shards through the model one layer at a time and returns each shard's X^T X
-sums, which the driver adds in shard order: the Hessians, and so the checkpoint, are the same
-bytes with one worker or eight. The same actors run GPTQ, one Linear per call (members of a
-fused group share the group's amax, so they can be quantized apart), reading the weights from
-their own copy of the model; the longest calls are handed out first to whichever actor is free.
+Each actor holds the calibration set's hidden states entering the layer it is at (fp32, in host
+memory, moved to its device one shard at a time) and nothing of the model but the layer it is
+working on. A call quantizes one Linear (GPTQ or RTN): the actor reads that Linear's weights
+(and its fused group's, for their shared amax) from the checkpoint's shards; for GPTQ it first
+brings its hidden states to the call's layer, through the quantized layers before it
+(sequential mode: the call carries references to their results) or the original ones (parallel
+mode), then sums the Hessian of the Linear's input site over the shards, in shard order, from
+a forward of the layer, and keeps it for the layer's other Linears of that site. So a Hessian
+never travels, and every actor computes it in the same order from the same shards: the bytes of
+the checkpoint depend on the number of shards, never on the number of actors or which actor
+did what. Actors only move forward through the layers; each call goes to a free actor that is
+not past its layer, the lowest such layer first and within it the costliest call.
 
 Nothing is lost with an actor or its node (a spot node preempted, a process killed): the driver
-owns every piece of work, not Ray's retries. An actor's death (its call fails with the actor
-gone, or with its result lost with its node) hands its calibration shards to a live actor, puts
-its call back in the queue and asks Ray for a replacement actor, which takes work once it has
-started (on a node that has room then: one added mid-run, say). Ray restarts nothing itself: a
-restarted actor could sit waiting for a CPU that died with its node while its calls wait with it.
-Any actor can take any shard at any layer: every call names the layer whose inputs it needs and
-carries references to the quantized results of the layers before it, which the actor replays
-first, and a shard it has not held yet starts at the embeddings and runs through the quantized
-layers it holds, the same operations its first owner ran, so the bytes do not change either.
+owns every call, not Ray's retries. A call that fails with its actor gone, or with its result
+lost with its node, goes back to the queue, and Ray is asked for a replacement actor, which
+takes work once it has started (on a node that has room then: one added mid-run, say) and
+catches up from the embeddings. Ray restarts nothing itself: a restarted actor could sit
+waiting for a CPU that died with its node while its calls wait with it.
 """
 from __future__ import annotations
 
 import os
 import sys
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
+
+# What a layer's results are stored as, here and in the resume ledger (pipelines/quantize.py LayerStore).
+RESULTS_FORMAT = "sala-layer-results/2"
 
 
 def _torch_threads() -> None:
@@ -38,12 +43,13 @@ def _torch_threads() -> None:
 
 def results_to_bytes(results: dict) -> tuple[bytes, dict]:
     """{module: (NVFP4Tensor, stats)} as safetensors bytes (they carry FP8 scales, which pickled
-    torch storages cannot) and a JSON-able stats dict: what workers return and the layer store keeps."""
+    torch storages cannot; codes packed two a byte, as the checkpoint holds them) and a JSON-able
+    stats dict: what workers return and the layer store keeps."""
     from safetensors.torch import save
 
     tensors, stats = {}, {}
     for m, (q, st) in results.items():
-        tensors |= {f"{m}.codes": q.codes, f"{m}.scale": q.scale, f"{m}.global_scale": q.global_scale,
+        tensors |= {f"{m}.packed": q.packed(), f"{m}.scale": q.scale, f"{m}.global_scale": q.global_scale,
                     f"{m}.m4_mask": q.m4_mask.to(torch.uint8)}
         stats[m] = asdict(st) if st is not None else {}
     return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}), stats
@@ -53,24 +59,40 @@ def results_from_bytes(blob: bytes, stats: dict) -> dict:
     from safetensors.torch import load
 
     from sala.quant.gptq import GPTQStats
-    from sala.quant.nvfp4 import NVFP4Tensor
+    from sala.quant.nvfp4 import NVFP4Tensor, unpack_fp4
 
     t = load(blob)
-    return {m: (NVFP4Tensor(t[f"{m}.codes"], t[f"{m}.scale"], t[f"{m}.global_scale"], t[f"{m}.m4_mask"].bool()),
+    return {m: (NVFP4Tensor(unpack_fp4(t[f"{m}.packed"]), t[f"{m}.scale"], t[f"{m}.global_scale"], t[f"{m}.m4_mask"].bool()),
                 GPTQStats(**st) if st else None) for m, st in stats.items()}
 
 
-class LayerWorker:
-    """Ray actor: the model, and for each calibration shard it holds the hidden states entering `self.layer`."""
+@dataclass(frozen=True)
+class Job:
+    """One Linear to quantize: `module` of layer `layer`, a member of fused `group`, whose input
+    is `site` (the Hessian it needs); `cost` orders the calls."""
 
-    def __init__(self, model_dir: str):
-        from sala.checkpoint import load_model
+    layer: int
+    group: tuple[str, ...]
+    module: str
+    site: str
+    cost: int
+
+
+class LayerWorker:
+    """Ray actor: the calibration shards' hidden states entering layer `self.layer`, and that
+    layer's Hessians by site once computed."""
+
+    def __init__(self, model_dir: str, shards: list):
+        from sala.checkpoint import CheckpointReader
 
         _torch_threads()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = load_model(model_dir, dtype=torch.float32, device=self.device)
+        # The driver verified the checkpoint's manifest; a worker reads only the tensors it needs.
+        self.reader = CheckpointReader(model_dir, verify=False)
+        self.shard_refs = shards
+        self.h: list[torch.Tensor] | None = None  # per shard, entering self.layer; made on the first GPTQ call
         self.layer = 0
-        self.h, self.rope = {}, {}
+        self.hessians: dict[str, torch.Tensor] = {}
 
     def whoami(self) -> tuple[int, str]:
         """(process id, Ray node id)."""
@@ -78,92 +100,63 @@ class LayerWorker:
 
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
-    def _run_layer(self, idx: int, shard: int) -> torch.Tensor:
-        h = self.h[shard]
-        with torch.no_grad():
-            return self.model.model.layers[idx](h, self.rope[shard], None, None, h.shape[1])
+    def quantize(self, job: Job, opts: dict, applied: list | None) -> tuple[bytes, dict]:
+        """GPTQ/RTN of one Linear, from the checkpoint's weights. `applied[j]`: layer j's results,
+        which the hidden states go through in sequential mode (None: the original layers)."""
+        from sala.quant.layerwise import group_amax, quantize_module
 
-    def _hold(self, shards: dict) -> None:
-        """Take on the shards (index -> ObjectRef of token ids) not held yet: their embeddings, run
-        through the layers before `self.layer` (already quantized here)."""
-        import ray
+        hessian = self._hessian(job, applied) if opts["method"] == "gptq" else None
+        prefix = f"model.layers.{job.layer}"
+        weights = {m: self.reader.tensor(f"{prefix}.{m}.weight", torch.float32).to(self.device) for m in job.group}
+        result = quantize_module(weights[job.module], hessian, group_amax(weights, job.group), name=f"{prefix}.{job.module}",
+                                 **opts)
+        return results_to_bytes({job.module: result})
 
-        new = {s: r for s, r in shards.items() if s not in self.h}
-        m = self.model.model
-        for s, ids in zip(new, ray.get(list(new.values()))):
-            ids = ids.to(self.device)
-            with torch.no_grad():
-                self.h[s] = m.embed_tokens(ids) * self.model.config.scale_emb
-                self.rope[s] = m.rope(torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1))
-            for j in range(self.layer):
-                self.h[s] = self._run_layer(j, s)
+    def _hessian(self, job: Job, applied: list | None) -> torch.Tensor:
+        self._advance(job.layer, applied)
+        if job.site not in self.hessians:
+            self.hessians |= self._layer_hessians(job.layer, job.site)
+        return self.hessians[job.site]
 
-    def _catch_up(self, idx: int, applied: list) -> None:
-        """Put the quantized layers before `idx` in place and run the shards through them."""
+    def _advance(self, idx: int, applied: list | None) -> None:
+        """Bring the hidden states to layer `idx`'s inputs: the embeddings first, then each layer
+        before it, read from the checkpoint (in sequential mode with its quantized weights)."""
         import ray
 
         from sala.quant.layerwise import apply_quantized
 
         if self.layer > idx:
             raise RuntimeError(f"worker is past layer {idx} (at {self.layer}); calls arrived out of order")
+        if self.h is None:
+            scale = self.reader.config.scale_emb
+            self.h = [self.reader.embeddings(ids, torch.float32) * scale for ids in ray.get(self.shard_refs)]
         while self.layer < idx:
-            results = results_from_bytes(*ray.get(applied[self.layer]))
-            apply_quantized(self.model.model.layers[self.layer], {m: q for m, (q, _) in results.items()})
-            for s in self.h:
-                self.h[s] = self._run_layer(self.layer, s)
+            layer = self.reader.layer(self.layer, torch.float32, self.device)
+            if applied is not None:
+                results = results_from_bytes(*ray.get(applied[self.layer]))
+                apply_quantized(layer, {m: q for m, (q, _) in results.items()})
+            self.h = [self._run(layer, h) for h in self.h]
             self.layer += 1
+            self.hessians = {}
 
-    def layer_hessians(self, idx: int, applied: list, shards: dict) -> dict[int, dict[str, tuple[torch.Tensor, int]]]:
-        """Sequential mode: per shard in `shards`, (X^T X, tokens) of each input site of layer `idx`,
-        on inputs that went through the quantized layers before it (`applied[j]`: layer j's results)."""
-        from sala.quant.layerwise import collect_hessians
+    def _layer_hessians(self, idx: int, site: str) -> dict[str, torch.Tensor]:
+        """Layer `idx`'s Hessian of input `site`, and of every other site whose Hessian is no larger
+        (one forward gives them all, and the layer's other Linears will ask for them), summed over
+        the shards in shard order."""
+        from sala.quant.layerwise import layer_groups, layer_hessians
 
-        self._catch_up(idx, applied)
-        self._hold(shards)
-        out = {}
-        for s in shards:
-            accs, handles = collect_hessians({idx: self.model.model.layers[idx]})
-            try:
-                self._run_layer(idx, s)
-            finally:
-                for hd in handles:
-                    hd.remove()
-            out[s] = {site: (acc.xtx.cpu(), acc.tokens) for (_, site), acc in accs.items()}
-        return out
+        layer = self.reader.layer(idx, torch.float32, self.device)
+        named = dict(layer.named_modules())
+        width = {s: named[groups[0][0]].in_features for s, groups in layer_groups(layer).items()}
+        sites = tuple(s for s in width if s == site or (s not in self.hessians and width[s] <= width[site]))
+        return layer_hessians(layer, idx, self.h, self._run, sites)
 
-    def model_hessians(self, shards: dict) -> dict[int, dict[tuple[int, str], tuple[torch.Tensor, int]]]:
-        """Parallel mode: per shard, (X^T X, tokens) of every layer's sites, all from the unquantized model."""
-        from sala.quant.layerwise import collect_hessians
-
-        self._hold(shards)
-        layers = self.model.model.layers
-        out = {}
-        for s in shards:
-            accs, handles = collect_hessians(dict(enumerate(layers)))
-            h = self.h[s]
-            try:
-                with torch.no_grad():
-                    for layer in layers:
-                        h = layer(h, self.rope[s], None, None, h.shape[1])
-            finally:
-                for hd in handles:
-                    hd.remove()
-            out[s] = {key: (acc.xtx.cpu(), acc.tokens) for key, acc in accs.items()}
-        return out
-
-    def quantize(self, idx: int, group: tuple[str, ...], module: str, hessian: torch.Tensor | None,
-                 opts: dict) -> tuple[bytes, dict]:
-        """GPTQ/RTN of one Linear of layer `idx` (a member of fused `group`), from the original weights."""
-        from sala.quant.layerwise import group_amax, layer_weights, quantize_module
-
-        if self.layer > idx:
-            raise RuntimeError(f"worker is past layer {idx}: its weights are already quantized")
-        weights = {m: w.to(self.device) for m, w in layer_weights(self.model.model.layers[idx]).items() if m in group}
-        if hessian is not None:
-            hessian = hessian.to(self.device)
-        result = quantize_module(weights[module], hessian, group_amax(weights, group), name=f"model.layers.{idx}.{module}",
-                                 **opts)
-        return results_to_bytes({module: result})
+    @torch.no_grad()
+    def _run(self, layer, h: torch.Tensor) -> torch.Tensor:
+        """One shard through `layer`, on the device; the result back in host memory."""
+        x = h.to(self.device)
+        positions = torch.arange(x.shape[1], device=self.device).expand(x.shape[0], -1)
+        return layer(x, self.reader.skeleton.model.rope(positions), None, None, x.shape[1]).to(h.device)
 
 
 def _lost(error: BaseException) -> bool:
@@ -187,28 +180,27 @@ class LayerPool:
                                                      max_task_retries=0, scheduling_strategy="SPREAD")
         self.model_dir = str(model_dir)
         self.shards = len(chunks)
-        # Shards go by reference, held here for the pool's life: whichever actor takes a shard
-        # fetches it from the driver's object store.
+        # Shards go by reference, held here for the pool's life: each actor fetches them from the
+        # driver's object store when it first needs hidden states.
         self.shard_refs = [ray.put(c) for c in chunks]
         self.live: list = []  # started actors, in start order
         self.starting: dict = {}  # ObjectRef of an actor's whoami() -> the actor
-        self.owner: dict[int, object] = {}  # shard -> the live actor holding it
+        self.at: dict = {}  # actor -> the layer its hidden states enter once its calls so far are done
         self.pid: dict = {}  # actor -> its process id
         self.node: dict = {}  # actor -> its node id
         self.calls_by_node: Counter = Counter()  # calls answered, by node id
         self.lost = 0  # actors lost so far
-        for _ in range(min(workers, len(chunks))):
+        for _ in range(workers):
             self._start()
-        while self.starting:  # the first pool starts whole: its shards are dealt out below
+        while self.starting:  # the first pool starts whole
             self._wait_started(list(self.starting))
         self.pids = [self.pid[a] for a in self.live]
         self.nodes = len(set(self.node.values()))
-        for s in range(self.shards):
-            self.owner[s] = self.live[s % len(self.live)]
 
     # -- actors
     def _start(self) -> None:
-        a = self.actor.remote(self.model_dir)
+        a = self.actor.remote(self.model_dir, self.shard_refs)
+        self.at[a] = 0
         self.starting[a.whoami.remote()] = a
 
     def _wait_started(self, refs: list) -> list:
@@ -233,108 +225,54 @@ class LayerPool:
         return joined
 
     def _drop(self, a, error: BaseException) -> None:
-        """Actor `a` is gone: its shards go to the live actors holding fewest, and a replacement is asked for."""
+        """Actor `a` is gone: a replacement is asked for."""
         import ray
 
-        if a not in self.live:
-            return
         self.live.remove(a)
         self.lost += 1
         ray.kill(a, no_restart=True)
         self._start()
-        print(f"workers    worker pid {self.pid.get(a)} lost ({type(error).__name__}); its work goes to the "
-              f"{len(self.live)} live worker(s), a replacement is on its way", file=sys.stderr, flush=True)
-        if not self.live:  # no live actor to hand the shards to: the first that starts takes them
-            self._wait_started(ray.wait(list(self.starting), num_returns=1)[0])
-        for s in sorted(s for s, o in self.owner.items() if o is a):
-            load = {b: sum(o is b for o in self.owner.values()) for b in self.live}
-            self.owner[s] = min(self.live, key=lambda b: load[b])
+        print(f"workers    worker pid {self.pid.get(a)} lost ({type(error).__name__}); its call goes back to the queue, "
+              f"a replacement is on its way ({len(self.live)} live)", file=sys.stderr, flush=True)
 
-    # -- Hessians
-    def submit_layer_hessians(self, idx: int, applied: list) -> dict:
-        """Start the actors holding shards on layer `idx`'s Hessians (after the layers in `applied`);
-        returns the calls, each with its actor and the shards it answers for."""
-        return {a.layer_hessians.remote(idx, applied, shards): (a, shards) for a, shards in self._by_actor().items()}
-
-    def _by_actor(self) -> dict:
-        out: dict = {}
-        for s in range(self.shards):
-            out.setdefault(self.owner[s], {})[s] = self.shard_refs[s]
-        return out
-
-    def layer_hessians(self, idx: int, applied: list, calls: dict) -> dict[str, torch.Tensor]:
-        """The Hessians of layer `idx` from the calls submit_layer_hessians started."""
-        return self._reduce(self._per_shard(calls, lambda a, shards: a.layer_hessians.remote(idx, applied, shards),
-                                            f"model.layers.{idx}"))
-
-    def model_hessians(self) -> dict[int, dict[str, torch.Tensor]]:
-        calls = {a.model_hessians.remote(shards): (a, shards) for a, shards in self._by_actor().items()}
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for (layer, site), h in self._reduce(self._per_shard(calls, lambda a, shards: a.model_hessians.remote(shards),
-                                                             "the Hessian pass")).items():
-            out.setdefault(layer, {})[site] = h
-        return out
-
-    def _per_shard(self, calls: dict, call, what: str) -> list[dict]:
-        """Every shard's answer: a call lost with its actor is made again by the shards' new owners."""
+    # -- calls
+    def run(self, jobs: list[Job], opts: dict, applied: list | None, on_done) -> None:
+        """Run `jobs`, each on a free actor; on_done(job, (blob, stats)) as each finishes. GPTQ
+        calls go to actors not past their layer (the lowest such layer first, within it the
+        costliest); RTN reads no inputs, so any actor takes the costliest. A call whose actor is
+        lost goes back to the queue."""
         import ray
 
-        parts = []
-        while calls:
-            done, _ = ray.wait(list(calls), num_returns=1)
-            a, shards = calls.pop(done[0])
-            try:
-                parts.append(self._get(done[0], what))
-                self.calls_by_node[self.node[a]] += 1
-            except _Lost as e:
-                self._drop(a, e.cause)
-                for b, mine in self._by_actor().items():
-                    if again := {s: r for s, r in mine.items() if s in shards}:
-                        calls[call(b, again)] = (b, again)
-        return parts
-
-    def _reduce(self, parts: list[dict]) -> dict:
-        """Per-shard (X^T X, tokens) -> Hessians, summed in shard order (worker count does not matter)."""
-        from sala.quant.gptq import HessianAccumulator
-
-        by_shard = {s: sums for p in parts for s, sums in p.items()}
-        accs: dict = {}
-        for s in sorted(by_shard):
-            for key, (xtx, tokens) in by_shard[s].items():
-                part = HessianAccumulator(xtx.shape[0])
-                part.xtx, part.tokens = xtx, tokens
-                accs.setdefault(key, HessianAccumulator(xtx.shape[0])).merge(part)
-        return {key: acc.hessian(f"{key}") for key, acc in accs.items()}
-
-    # -- GPTQ
-    def quantize(self, jobs: list[tuple], opts: dict, on_done) -> None:
-        """Run jobs (layer, group, module, hessian, in_features, out_features), the costliest first,
-        each on whichever actor is free; on_done(layer, module, (blob, stats)) as each finishes.
-        A job whose actor is lost goes back to the front of the queue; a replacement actor that
-        has started joins the free ones."""
-        import ray
-
-        # GPTQ costs about K^2 (N + K) for an [N, K] weight: longest processing time first.
-        queue = sorted(jobs, key=lambda j: -j[4] * j[4] * (j[4] + j[5]))
+        queue = sorted(jobs, key=lambda j: -j.cost)
         free, running = list(self.live), {}
+        ordered = opts["method"] == "gptq"
         while queue or running:
-            while queue and free:
-                job, a = queue.pop(0), free.pop(0)
-                running[a.quantize.remote(job[0], job[1], job[2], job[3], opts)] = (job, a)
+            for a in list(free):
+                eligible = [j for j in queue if not ordered or j.layer >= self.at[a]]
+                if not eligible:
+                    continue
+                job = min(eligible, key=lambda j: j.layer) if ordered else eligible[0]  # min keeps the costliest first
+                queue.remove(job)
+                free.remove(a)
+                if ordered:
+                    self.at[a] = job.layer
+                running[a.quantize.remote(job, opts, applied)] = (job, a)
+            if not running and not self.starting:
+                raise RuntimeError(f"no worker can take the calls of layer(s) {sorted({j.layer for j in queue})}")
             done, _ = ray.wait([*running, *self.starting], num_returns=1)
             if done[0] in self.starting:
                 free += self._wait_started(done)
                 continue
             job, a = running.pop(done[0])
             try:
-                out = self._get(done[0], f"model.layers.{job[0]}.{job[2]}")
+                out = self._get(done[0], f"model.layers.{job.layer}.{job.module}")
             except _Lost as e:
                 self._drop(a, e.cause)  # `a` was running, so not among the free
                 queue.insert(0, job)
                 continue
             free.append(a)
             self.calls_by_node[self.node[a]] += 1
-            on_done(job[0], job[2], out)
+            on_done(job, out)
 
     @staticmethod
     def _get(ref, what: str):

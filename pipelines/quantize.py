@@ -33,11 +33,11 @@ import torch  # noqa: E402
 
 from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.generate import PROMPT_COLUMN  # noqa: E402
-from pipelines.layer_pool import LayerPool, results_from_bytes, results_to_bytes  # noqa: E402
+from pipelines.layer_pool import RESULTS_FORMAT, Job, LayerPool, results_from_bytes, results_to_bytes  # noqa: E402
 from pipelines.raycluster import RayUnavailable, check_address, init_ray  # noqa: E402
 from registry.models import ModelSpecError, model_name, register_checkpoint, resolve_model_path, set_alias  # noqa: E402
 from registry.tracking import TrackingError, check_reachable, interrupt_deferred, setup_mlflow, tracking_uri  # noqa: E402
-from sala.checkpoint import CheckpointError, load_model, read_config, write_file_atomic  # noqa: E402
+from sala.checkpoint import CheckpointError, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
 from sala.kv import PLAN_FILE, KVPlanError, load_plan  # noqa: E402
 from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
@@ -175,86 +175,93 @@ class LayerStore:
 
 
 # --------------------------------------------------------------------------------- stages
-def run_quantization(args, model_dir: Path, layers, seqs: torch.Tensor, store: LayerStore, workers: int, log_layer) -> dict:
-    """All layers quantized on a pool of Ray actors; returns {layer_idx: {module: (NVFP4Tensor, stats)}}."""
+def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: LayerStore, workers: int, log_layer
+                     ) -> list[dict]:
+    """Every layer quantized on a pool of Ray actors, each finished layer saved in `store` as it
+    completes (the driver keeps none in memory); returns the per-module table of every layer."""
     import ray
     from tqdm import tqdm
 
+    from sala.model import SALAForCausalLM
     from sala.quant.layerwise import layer_groups
 
+    with torch.device("meta"):  # the layers' structure only: the workers read the weights
+        layers = SALAForCausalLM(config).model.layers
     opts = {"method": args.method, "scale_rule": args.scale_rule, "act_order": args.act_order, "damp": args.damp}
-    blobs: dict[int, tuple[bytes, dict]] = {}
+    rows: dict[int, list[dict]] = {}
     for i in range(len(layers)):
-        finished = store.load(i)
-        if finished is not None:
-            blobs[i] = finished
-    if blobs:
-        print(f"resuming: reusing {len(blobs)} finished layer(s) {sorted(blobs)}", flush=True)
-    pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0))
-    print(f"workers    {len(pool.live)} Ray actors on {pool.nodes} node(s) (pids {' '.join(map(str, pool.pids))}) over "
-          f"{pool.shards} calibration shards", flush=True)
-    bar = tqdm(total=len(layers), initial=len(blobs), desc="quantizing layers", file=sys.stderr)
+        if (finished := store.load(i)) is not None:
+            rows[i] = per_layer_table({i: results_from_bytes(*finished)})
+    if rows:
+        print(f"resuming: reusing {len(rows)} finished layer(s) {sorted(rows)}", flush=True)
+    todo = [i for i in range(len(layers)) if i not in rows]
+    bar = tqdm(total=len(layers), initial=len(rows), desc="quantizing layers", file=sys.stderr)
 
-    def done_layer(idx: int, res: dict) -> None:
-        # Completion order varies with the workers; the bytes must not.
-        blobs[idx] = results_to_bytes(dict(sorted(res.items())))
-
-    def record(idx: int) -> None:
-        store.save(idx, *blobs[idx])
-        log_layer(idx, results_from_bytes(*blobs[idx]))
-        bar.update(1)
-
-    def jobs(idx: int, hessians: dict | None) -> list[tuple]:
+    def jobs(idx: int) -> list[Job]:
         named = dict(layers[idx].named_modules())
-        refs = {site: ray.put(h) for site, h in (hessians or {}).items()}  # once per site, not once per Linear
-        return [(idx, group, m, refs.get(site), named[m].in_features, named[m].out_features)
+        # GPTQ costs about K^2 (N + K) for an [N, K] weight, RTN about N K: the longest first.
+        cost = (lambda n, k: k * k * (n + k)) if args.method == "gptq" else (lambda n, k: n * k)
+        return [Job(layer=idx, group=group, module=m, site=site, cost=cost(named[m].out_features, named[m].in_features))
                 for site, groups in layer_groups(layers[idx]).items() for group in groups for m in group]
 
-    todo = [i for i in range(len(layers)) if i not in blobs]
-    if args.mode == "parallel" or args.method == "rtn":  # RTN reads no inputs: nothing to be sequential about
-        hessians = pool.model_hessians() if args.method == "gptq" and todo else {}
-        partial = {i: {} for i in todo}
-        needed = {i: len(jobs(i, None)) for i in todo}
+    def finish(idx: int, results: dict) -> tuple[bytes, dict]:
+        blob = results_to_bytes(dict(sorted(results.items())))  # completion order varies with the workers; the bytes must not
+        store.save(idx, *blob)
+        log_layer(idx, results)
+        rows[idx] = per_layer_table({idx: results})
+        bar.update(1)
+        return blob
 
-        def done(idx, module, out):
-            partial[idx].update(results_from_bytes(*out))
-            if len(partial[idx]) == needed[idx]:
-                done_layer(idx, partial.pop(idx))
-                record(idx)
+    if todo:
+        pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0))
+        print(f"workers    {len(pool.live)} Ray actors on {pool.nodes} node(s) (pids {' '.join(map(str, pool.pids))}) over "
+              f"{pool.shards} calibration shards", flush=True)
+        if args.mode == "parallel" or args.method == "rtn":  # RTN reads no inputs: nothing to be sequential about
+            partial = {i: {} for i in todo}
+            needed = {i: len(jobs(i)) for i in todo}
 
-        pool.quantize([j for i in todo for j in jobs(i, hessians.get(i))], opts, done)
-    else:
-        # Layer by layer: layer i's Hessians come from inputs that went through the quantized layers
-        # before it (the actors apply them first), so GPTQ corrects the error those introduced.
-        # As soon as layer i is quantized the actors start on layer i+1 (applying i, running their
-        # shards through it, the next Hessians) while the driver stores and logs layer i.
-        applied, calls = [], None
-        for i in range(len(layers)):
-            if i in todo:
-                res = {}
-                hessians = pool.layer_hessians(i, applied, calls or pool.submit_layer_hessians(i, applied))
-                pool.quantize(jobs(i, hessians), opts, lambda idx, module, out: res.update(results_from_bytes(*out)))
-                done_layer(i, res)
-            applied.append(ray.put(blobs[i]))
-            calls = pool.submit_layer_hessians(i + 1, applied) if i + 1 in todo else None
-            if i in todo:
-                record(i)
+            def done(job: Job, out) -> None:
+                partial[job.layer].update(results_from_bytes(*out))
+                if len(partial[job.layer]) == needed[job.layer]:
+                    finish(job.layer, partial.pop(job.layer))
+
+            pool.run([j for i in todo for j in jobs(i)], opts, None, done)
+        else:
+            # Layer by layer: layer i's Hessians come from inputs that went through the quantized
+            # layers before it (the actors apply them first), so GPTQ corrects the error those introduced.
+            applied = []
+            for i in range(len(layers)):
+                if i in todo:
+                    results = {}
+                    pool.run(jobs(i), opts, applied, lambda job, out: results.update(results_from_bytes(*out)))
+                    applied.append(ray.put(finish(i, results)))
+                else:
+                    applied.append(ray.put(store.load(i)))
+        if pool.calls_by_node:
+            print("work by node: " + ", ".join(f"node {n}: {c} calls" for n, c in pool.calls_by_node.items())
+                  + (f"; {pool.lost} worker(s) lost and replaced" if pool.lost else ""), flush=True)
     bar.close()
-    if pool.calls_by_node:
-        print("work by node: " + ", ".join(f"node {n}: {c} calls" for n, c in pool.calls_by_node.items())
-              + (f"; {pool.lost} worker(s) lost and replaced" if pool.lost else ""), flush=True)
-    return {i: results_from_bytes(*blobs[i]) for i in sorted(blobs)}
+    return [r for i in sorted(rows) for r in rows[i]]
 
 
 # ----------------------------------------------------------------------------------- report
 def calibrate_kv_scales(plan, reference, seqs: torch.Tensor) -> None:
     """Per-head K/V amax on the calibration set for the sparse layers the plan has none for
-    (static FP8 scales and NVFP4 global scales are built from them, sala/kv/formats.py)."""
-    from sala.kv.measure import calibrate_amax
+    (static FP8 scales and NVFP4 global scales are built from them, sala/kv/formats.py), from the
+    BF16 reference read one layer at a time, in batches of 8 calibration rows."""
+    from sala.eval.layerwise import LayerwiseModel
+    from sala.kv.measure import amax_observer, amax_table
 
     missing = [i for i in reference.config.sparse_layers if i not in plan.amax]
     if missing:
-        amax = calibrate_amax(reference, seqs)
+        seen: dict = {}
+
+        def observe(i, layer):
+            if not layer.is_lightning:
+                layer.self_attn.kv_quant = amax_observer(seen, i)
+
+        LayerwiseModel(reference, torch.bfloat16).hidden([seqs[b : b + 8] for b in range(0, len(seqs), 8)], observe)
+        amax = amax_table(seen)
         plan.amax |= {i: amax[i] for i in missing}
         print(f"kv plan: K/V scales of sparse layer(s) {missing} calibrated on {len(seqs)} sequences", flush=True)
 
@@ -313,6 +320,7 @@ def default_output(name: str, args) -> Path:
 def fingerprint(args, model_dir: Path, seqs: torch.Tensor) -> str:
     keys = {k: getattr(args, k) for k in ("method", "scale_rule", "act_order", "damp", "mode", "shards")}
     h = hashlib.sha256(json.dumps(keys, sort_keys=True).encode())
+    h.update(RESULTS_FORMAT.encode())
     h.update(str(model_dir).encode())
     h.update(seqs.numpy().tobytes())
     return h.hexdigest()[:16]
@@ -339,7 +347,8 @@ def run(args) -> int:
     from transformers import AutoTokenizer
 
     from pipelines.evaluate import score_checkpoint
-    from sala.eval.compare import compare_models, window_sequences
+    from sala.checkpoint import CheckpointReader
+    from sala.eval.compare import window_sequences
     from sala.quant.export import export_checkpoint
     from sala.tiny import split_corpus, token_stream
 
@@ -349,7 +358,10 @@ def run(args) -> int:
     if os.environ.get("RAY_ADDRESS"):
         check_address(os.environ["RAY_ADDRESS"])
     model_dir = resolve_model_path(args.model or str(ensure_tiny_sala()))
-    config = read_config(model_dir)
+    # The checkpoint's manifest and every tensor's name and shape, checked once here (reading no
+    # weight): the workers and the gate then read it a tensor at a time.
+    reference = CheckpointReader(model_dir)
+    config = reference.config
     if args.kv_plan is None and (model_dir / PLAN_FILE).is_file():
         args.kv_plan = str(model_dir / PLAN_FILE)  # the source's plan (pipelines/kv_sensitivity.py) travels on
     kv_plan = None if args.kv_plan is None else load_plan(args.kv_plan, config)  # a bad plan fails here, before any work
@@ -371,11 +383,6 @@ def run(args) -> int:
     resources = init_ray(num_cpus=args.workers)
     workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
     setup_mlflow(args.experiment)
-    # The driver needs the layers' structure only: the workers hold the weights and run the forwards.
-    from sala.model import SALAForCausalLM
-
-    with torch.device("meta"):
-        layers = SALAForCausalLM(config).model.layers
     store = LayerStore(output.with_name(f".{output.name}.layers"), fingerprint(args, model_dir, seqs))
     register_name = args.register_name or f"{name}-nvfp4"
 
@@ -395,30 +402,32 @@ def run(args) -> int:
                 mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
 
         t0 = time.time()
-        results = run_quantization(args, model_dir, layers, seqs, store, workers, log_layer)
+        rows_table = run_quantization(args, model_dir, config, seqs, store, workers, log_layer)
         quant_seconds = time.time() - t0
-        quantized = {f"model.layers.{i}.{m}": q for i, res in results.items() for m, (q, _) in res.items()}
-        rows_table = per_layer_table(results)
         m4 = sum(r["m4_share"] for r in rows_table) / len(rows_table)
 
         # The reference is the model as served in BF16, so the comparison measures NVFP4 alone.
-        reference = load_model(model_dir, dtype=torch.bfloat16).float()
         if kv_plan is not None:
             calibrate_kv_scales(kv_plan, reference, seqs)
             mlflow.log_dict(kv_plan.to_json(), "kv_plan.json")
             mlflow.log_param("kv_plan_layers", kv_plan.describe())
-        export_checkpoint(reference, quantized, output, tokenizer, scale_rule=args.scale_rule, method=args.method,
+
+        def layer_results(idx: int) -> dict:
+            return {f"model.layers.{idx}.{m}": q for m, (q, _) in results_from_bytes(*store.load(idx)).items()}
+
+        print(f"writing    {output}", flush=True)
+        export_checkpoint(reference, layer_results, output, tokenizer, scale_rule=args.scale_rule, method=args.method,
                           overwrite=args.overwrite, kv_plan=kv_plan,
                           producer={"name": "pipelines/quantize.py", "args": {k: v for k, v in vars(args).items()}},
                           metrics={"m4_share": m4, "quantize_seconds": quant_seconds})
         shutil.rmtree(store.dir, ignore_errors=True)
 
-        candidate = load_model(output, dtype=torch.float32)  # evaluate what was written, not what is in memory
         _, heldout = split_corpus(10)
         windows = window_sequences(token_stream(tokenizer, heldout), args.seq_len, args.eval_sequences)
-        quality = compare_models(reference, candidate, windows)
-        del reference, candidate
-        score = score_checkpoint(output, model_dir, num_prompts=args.gate_prompts, reference_kwargs={"dtype": torch.bfloat16})
+        # What was written is scored, not what is in memory; a layer at a time, the two models never together.
+        score = score_checkpoint(output, model_dir, num_prompts=args.gate_prompts, windows=windows,
+                                 progress=lambda stage: print(f"gate       scoring the {stage}", flush=True))
+        quality = {k.removeprefix("heldout_"): v for k, v in score.items() if k.startswith("heldout_")}
         failures = gate_failures(score, args.max_kl, args.max_flip_rate, args.min_cosine)
         gate = not failures
         mlflow.log_metrics({"ppl_bf16": quality["ppl_reference"], "ppl_nvfp4": quality["ppl"],

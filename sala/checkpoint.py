@@ -1,22 +1,29 @@
 """Loading and saving SALA models as checkpoint directories: the one place that picks the format.
 
-`load_model` dispatches on config.json's quantization_config: none is a dense (BF16/FP32)
-checkpoint, loaded here; compressed-tensors is our NVFP4 format, loaded by sala/quant/load.py
-(the writer, sala/quant/export.py, is not involved). All sit on `sala.checkpoint_files`
-(manifest, atomic writes, shards, config.json), whose public names this module also exports,
-so callers import one module.
+`CheckpointReader` builds a checkpoint's modules one at a time from its shards
+(`sala.checkpoint_files.ShardedTensors` reads a tensor without loading its file): a decoder
+layer alone (the quantize workers, the streamed gate), the embedding rows of some tokens, or the
+whole model (`load_model`), which it fills a module at a time, so that loading never holds the
+checkpoint twice. It dispatches on config.json's quantization_config: none is a dense
+(BF16/FP32) checkpoint; compressed-tensors is our NVFP4 format, whose checks and quantized
+Linears sala/quant/load.py owns (the writer, sala/quant/export.py, is not involved). All sit on
+`sala.checkpoint_files` (manifest, atomic writes, shards, config.json), whose public names this
+module also exports, so callers import one module.
 """
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from sala.checkpoint_files import (  # noqa: F401  (re-exported: the checkpoint API callers import from here)
     INDEX,
     MANIFEST,
     CheckpointError,
+    ShardedTensors,
     atomic_directory,
     check_state_dict,
     load_state_dict,
@@ -46,37 +53,93 @@ def gpu_device(num_gpus: float) -> str:
     return "cuda"
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True):
+class CheckpointReader:
+    """A SALA checkpoint read a module at a time, each in `dtype` on `device`.
+
+    dtype None keeps a dense checkpoint's stored dtype and gives an NVFP4 one's unquantized
+    tensors (embeddings, norms, lm_head) in BF16; quantized tensors never change dtype. Every
+    tensor is checked against the model's names and shapes on opening (from the shards'
+    headers, reading no tensor), so a bad checkpoint fails before any weight is read.
+    `packed`: an NVFP4 checkpoint's quantized Linears as NVFP4Linear (the W4A16 path), or as
+    Linears holding the dequantized weights."""
+
+    def __init__(self, path: str | os.PathLike, verify: bool = True, packed: bool = True):
+        from sala.model import SALAForCausalLM
+
+        self.path = Path(path)
+        self.config = read_config(self.path)
+        self.tensors = ShardedTensors(self.path, verify)
+        with torch.device("meta"):
+            self.skeleton = SALAForCausalLM(self.config)  # the modules as built: names, shapes, no storage
+        self.quantized = None
+        if getattr(self.config, "quantization_config", None):
+            from sala.quant.load import NVFP4Checkpoint  # it names a quant_method or format it cannot load
+
+            self.quantized = NVFP4Checkpoint(self, packed)
+        # What the shards must hold: the model's tensors (quantized Linears in their stored form),
+        # checked by name and shape; an NVFP4 checkpoint's KV-cache scales are checked by their own rule.
+        stored = self.quantized.stored if self.quantized else self.skeleton
+        extra = self.quantized.kv_scales if self.quantized else {}
+        check_state_dict(stored, {n: torch.empty(self.tensors.shape(n), device="meta")
+                                  for n in self.tensors.names() if n not in extra}, self.path)
+
+    def dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype unquantized tensors load in when `dtype` is None or given."""
+        if dtype is not None:
+            return dtype
+        return torch.bfloat16 if self.quantized else self.tensors.dtype("model.embed_tokens.weight")
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor of the model as its module holds it (a quantized one as stored)."""
+        if not self.quantized:
+            return self.tensors.get(name).to(self.dtype(dtype))
+        t = self.quantized.tensor(name)
+        if t is None:
+            t = self.tensors.get(name)
+        return t if self.quantized.keeps_dtype(name) else t.to(self.dtype(dtype))
+
+    def module(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> nn.Module:
+        """The model's submodule `name` (e.g. "model.layers.3"), alone, with its tensors."""
+        module = copy.deepcopy(self.skeleton.get_submodule(name))
+        self._fill(module, name, dtype, device)
+        return module
+
+    def layer(self, idx: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> nn.Module:
+        return self.module(f"model.layers.{idx}", dtype, device).eval()
+
+    def embeddings(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """embed_tokens(ids), reading only the rows of the tokens in `ids`."""
+        return self.tensors.rows("model.embed_tokens.weight", ids).to(self.dtype(dtype))
+
+    def model(self, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+        """The whole SALAForCausalLM (eval mode), filled and moved to `device` a module at a time."""
+        model = self.skeleton
+        self.skeleton = copy.deepcopy(model)  # this reader stays usable
+        names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(self.config.num_hidden_layers)),
+                 "model.norm", "lm_head"]
+        for name in names:
+            self._fill(model.get_submodule(name), name, dtype, device)
+        model.generation_config = self.generation_config
+        return model.eval()
+
+    @property
+    def generation_config(self):
+        """generation_config.json's, as from_pretrained reads it (its eos ids may name end-of-turn
+        tokens that config.json lacks), else the one the model derives from its config."""
+        if (self.path / "generation_config.json").exists():
+            from transformers import GenerationConfig
+
+            return GenerationConfig.from_pretrained(self.path)
+        return self.skeleton.generation_config
+
+    def _fill(self, module: nn.Module, prefix: str, dtype, device) -> None:
+        state = {key: self.tensor(f"{prefix}.{key}", dtype) for key in module.state_dict()}
+        module.load_state_dict(state, assign=True)
+        module.to(device)
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True,
+               packed: bool = True):
     """Load a SALA checkpoint directory into SALAForCausalLM (eval mode); a quantized one with
-    packed weights on the W4A16 path."""
-    path = Path(path)
-    config = read_config(path)
-    model = _loader(config)(path, dtype=dtype, device=device, verify=verify)
-    if (path / "generation_config.json").exists():
-        # As from_pretrained does: its eos ids may name end-of-turn tokens that config.json lacks.
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    return model
-
-
-def _loader(config):
-    """The loader of the checkpoint's weight format."""
-    if not getattr(config, "quantization_config", None):
-        return load_dense_model
-    from sala.quant.load import load_quantized_model  # it names a quant_method or format it cannot load
-
-    return load_quantized_model
-
-
-def load_dense_model(path: Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True):
-    """A dense checkpoint, in its stored dtype unless `dtype` is given."""
-    from sala.model import SALAForCausalLM
-
-    state = load_state_dict(path, verify=verify)
-    with torch.device("meta"):
-        model = SALAForCausalLM(read_config(path))
-    check_state_dict(model, state, path)
-    dtype = dtype or next(iter(state.values())).dtype
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return model.to(device).eval()
+    packed weights on the W4A16 path (CheckpointReader says how dtype and packed apply)."""
+    return CheckpointReader(path, verify, packed).model(dtype, device)

@@ -26,17 +26,18 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from sala.config import ConfigError, SALAConfig
 
@@ -220,27 +221,40 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False, flush: 
             shutil.rmtree(tmp)
 
 
-def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 4 << 30) -> list[str]:
-    """Write model.safetensors, or numbered shards plus the HF index when larger than one shard."""
-    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in state.items():
+def save_state_dict(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], directory: Path,
+                    max_shard_bytes: int = 4 << 30) -> list[str]:
+    """Write model.safetensors, or numbered shards plus the HF index when larger than one shard.
+    `state` may be an iterable of (name, tensor) made as it is read: each shard is written once
+    it is full and dropped, so at most one shard's tensors are held at a time."""
+    items = state.items() if isinstance(state, dict) else state
+    written: list[tuple[Path, list[str]]] = []  # shards under temporary names, until their count is known
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = directory / f".shard-{len(written)}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+        shard.clear()
+
+    for name, t in items:
+        t = t.detach().contiguous().cpu()
         n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append({})
+        if shard and size + n > max_shard_bytes:
+            flush()
             size = 0
-        shards[-1][name] = t
+        shard[name] = t
         size += n
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        total += n
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(directory / "model.safetensors")
         return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
     weight_map = {}
-    for fname, shard in zip(names, shards):
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in state.values())
+    for fname, (path, keys) in zip(names, written):
+        path.rename(directory / fname)
+        weight_map.update(dict.fromkeys(keys, fname))
     (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
 
@@ -248,7 +262,7 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_b
 def write_checkpoint(
     target: str | os.PathLike,
     config,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     generation_config=None,
     tokenizer=None,
     *,
@@ -334,21 +348,91 @@ def weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no *.safetensors weights")
 
 
-def load_state_dict(path: str | os.PathLike, verify: bool = True) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    files = weight_files(path)  # first: a directory with no usable weights says so, not that it is unverified
-    if verify and not verify_manifest(path) and path.absolute() not in _warned_unverified:
-        _warned_unverified.add(path.absolute())
-        log.warning("%s: no %s, so nothing in it was verified (loading the files as they are)", path, MANIFEST)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.exists():
-            raise CheckpointError(f"{f}: listed in {INDEX} but missing")
+class ShardedTensors:
+    """A checkpoint's tensors by name, each read from its safetensors shard when asked for
+    (safetensors reads one tensor without loading its file): what loads a model one layer at a
+    time, so that nothing ever holds the whole checkpoint. Shapes and dtypes come from the
+    shards' headers, without reading any tensor."""
+
+    def __init__(self, path: str | os.PathLike, verify: bool = True):
+        self.path = Path(path)
+        files = weight_files(self.path)  # first: a directory with no usable weights says so, not that it is unverified
+        if verify and not verify_manifest(self.path) and self.path.absolute() not in _warned_unverified:
+            _warned_unverified.add(self.path.absolute())
+            log.warning("%s: no %s, so nothing in it was verified (loading the files as they are)", self.path, MANIFEST)
+        self._handles: dict[Path, object] = {}
+        self.file_of: dict[str, Path] = {}
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{f}: listed in {INDEX} but missing")
+            self.file_of |= dict.fromkeys(self._open(f).keys(), f)
+
+    def _open(self, f: Path):
+        if f not in self._handles:
+            try:
+                self._handles[f] = safe_open(str(f), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
+        return self._handles[f]
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def _slice(self, name: str):
+        return self._open(self.file_of[name]).get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._slice(name).get_dtype()]
+
+    def nbytes(self, name: str) -> int:
+        return math.prod(self.shape(name)) * self.dtype(name).itemsize
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.file_of[name]
         try:
-            state.update(load_file(str(f)))
+            return self._open(f).get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
-    return state
+            raise CheckpointError(f"{f}: unreadable tensor {name} ({e})") from e
+
+    def row_block(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo .. hi - 1 of a tensor, reading only those."""
+        return self._slice(name)[lo:hi]
+
+    def rows(self, name: str, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """Rows `ids` of a 2-D tensor (embedding rows for some token ids), reading it `chunk` rows
+        at a time: never the whole tensor at once."""
+        flat = ids.reshape(-1)
+        wanted = torch.unique(flat)  # sorted
+        n = self.shape(name)[0]
+        if len(wanted) and not 0 <= int(wanted[0]) <= int(wanted[-1]) < n:
+            raise CheckpointError(f"{self.path}: row ids outside [0, {n}) of {name}")
+        parts = []
+        for lo in range(0, n, chunk):
+            inside = wanted[(wanted >= lo) & (wanted < lo + chunk)]
+            if len(inside):
+                parts.append(self.row_block(name, lo, min(lo + chunk, n))[inside - lo])
+        table = torch.cat(parts) if parts else self.get(name)[:0]
+        return table[torch.searchsorted(wanted, flat)].reshape(*ids.shape, -1)
+
+    def load_all(self) -> dict[str, torch.Tensor]:
+        return {name: self.get(name) for name in self.file_of}
+
+
+# safetensors' dtype names (the header's "dtype" field) -> torch dtypes
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def load_state_dict(path: str | os.PathLike, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint in memory (small models, tools); models load through ShardedTensors."""
+    return ShardedTensors(path, verify).load_all()
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path, allow_extra: bool = False):

@@ -24,28 +24,34 @@ from sala.eval import logprob as lp
 from sala.kv.plan import KVPlan, apply_to_model
 
 
+def amax_observer(seen: dict[int, list[torch.Tensor]], layer: int):
+    """A sparse attention's kv_quant hook that keeps the running max |K| and |V| per kv head of `layer` in `seen`."""
+    def observe(k, v):  # [B, H, T, D]
+        amax = torch.stack([k.detach().float().abs().amax((0, 2, 3)), v.detach().float().abs().amax((0, 2, 3))])
+        seen[layer] = [torch.maximum(seen[layer][0], amax)] if layer in seen else [amax]
+        return k, v
+    return observe
+
+
+def amax_table(seen: dict[int, list[torch.Tensor]]) -> dict[int, dict[str, list[float]]]:
+    """What amax observers saw, as a KVPlan keeps it."""
+    return {i: {"k": a[0][0].tolist(), "v": a[0][1].tolist()} for i, a in seen.items()}
+
+
 @torch.no_grad()
 def calibrate_amax(model, windows: torch.Tensor, batch_size: int = 8) -> dict[int, dict[str, list[float]]]:
     seen: dict[int, list[torch.Tensor]] = {}
-
-    def observer(i):
-        def observe(k, v):  # [B, H, T, D]
-            amax = torch.stack([k.detach().float().abs().amax((0, 2, 3)), v.detach().float().abs().amax((0, 2, 3))])
-            seen[i] = [torch.maximum(seen[i][0], amax)] if i in seen else [amax]
-            return k, v
-        return observe
-
     layers = [(i, layer.self_attn) for i, layer in enumerate(model.model.layers) if not layer.is_lightning]
     saved = [attn.kv_quant for _, attn in layers]
     try:
         for i, attn in layers:
-            attn.kv_quant = observer(i)
+            attn.kv_quant = amax_observer(seen, i)
         for b in range(0, len(windows), batch_size):
             model(windows[b : b + batch_size], use_cache=False)
     finally:
         for (_, attn), s in zip(layers, saved):
             attn.kv_quant = s
-    return {i: {"k": a[0][0].tolist(), "v": a[0][1].tolist()} for i, a in seen.items()}
+    return amax_table(seen)
 
 
 @torch.no_grad()

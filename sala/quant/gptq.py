@@ -88,17 +88,26 @@ def relative_output_error(
 def _inverse_hessian_cholesky(
     h: torch.Tensor, damp: float, name: str
 ) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, raising dampening on failure."""
-    mean_diag = h.diagonal().mean()
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, raising dampening on failure.
+
+    The dampening goes onto H's diagonal in place and comes off again (restored from a copy, not
+    subtracted), and each factor is dropped once the next is made: at most two K x K matrices
+    besides H at a time (a 16384-wide down_proj's are 1 GiB each)."""
+    diag = h.diagonal()
+    mean_diag = diag.mean()
     if not mean_diag > 0:
         raise ValueError(
             f"{name}: Hessian has a non-positive mean diagonal; it is not a Gram matrix"
         )
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    undamped = diag.clone()
     for _ in range(DAMP_ATTEMPTS):
-        chol, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
+        diag.add_(damp * mean_diag)
+        chol, info = torch.linalg.cholesky_ex(h)
+        diag.copy_(undamped)
         if info == 0:
-            u, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+            inverse = torch.cholesky_inverse(chol)
+            del chol
+            u, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if info == 0:
                 return u, damp
         damp *= 10

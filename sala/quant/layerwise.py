@@ -62,19 +62,41 @@ def quantized_module_names(model) -> list[str]:
     return [f"model.layers.{i}.{m}" for i, layer in enumerate(model.model.layers) for m in layer_modules(layer)]
 
 
-def collect_hessians(layers: dict[int, nn.Module]) -> tuple[dict[tuple[int, str], HessianAccumulator], list]:
-    """Install hooks that accumulate each site's input second moment while the caller runs
-    forwards. Returns the accumulators keyed by (layer index, site) and the hook handles."""
+def collect_hessians(layers: dict[int, nn.Module], sites: tuple[str, ...] | None = None
+                     ) -> tuple[dict[tuple[int, str], HessianAccumulator], list]:
+    """Install hooks that accumulate each site's input second moment (of `sites` only, when
+    given) while the caller runs forwards. Returns the accumulators keyed by (layer index, site)
+    and the hook handles."""
     accs: dict[tuple[int, str], HessianAccumulator] = {}
     handles = []
     for idx, layer in layers.items():
         named = dict(layer.named_modules())
         for site, groups in layer_groups(layer).items():
+            if sites is not None and site not in sites:
+                continue
             first = named[groups[0][0]]
             acc = HessianAccumulator(first.in_features, device=first.weight.device)
             accs[(idx, site)] = acc
             handles.append(first.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0].detach())))
     return accs, handles
+
+
+def layer_hessians(layer: nn.Module, idx: int, inputs, run, sites: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """The Hessians of a layer's input sites (`sites`, default all) from a forward of each batch of
+    `inputs` (calibration shards), run(layer, batch): each batch's X^T X summed in batch order, so
+    the bytes depend on how the calibration set is cut into batches, never on who computes them."""
+    totals: dict[str, HessianAccumulator] = {}
+    for batch in inputs:
+        accs, handles = collect_hessians({idx: layer}, sites)
+        try:
+            with torch.no_grad():
+                run(layer, batch)
+        finally:
+            for hd in handles:
+                hd.remove()
+        for (_, site), part in accs.items():
+            totals[site] = (totals.get(site) or HessianAccumulator(part.in_features, device=part.xtx.device)).merge(part)
+    return {site: acc.hessian(f"model.layers.{idx} {site}") for site, acc in totals.items()}
 
 
 def layer_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
@@ -160,12 +182,8 @@ def quantize_sequential(model, seqs: torch.Tensor, quantize_fn, finished: dict[i
     rope = model.model.rope(torch.arange(seqs.shape[1], device=seqs.device).expand(seqs.shape[0], -1))
     for i, layer in enumerate(model.model.layers):
         if i not in results:
-            accs, handles = collect_hessians({i: layer})
-            with torch.no_grad():
-                layer(h, rope, None, None, seqs.shape[1])
-            for hd in handles:
-                hd.remove()
-            hessians = {site: acc.hessian(f"model.layers.{i} {site}").cpu() for (_, site), acc in accs.items()}
+            hessians = {site: hs.cpu() for site, hs in
+                        layer_hessians(layer, i, [h], lambda layer, x: layer(x, rope, None, None, x.shape[1])).items()}
             results[i] = quantize_fn(i, layer_weights(layer), hessians, layer_groups(layer))
             if on_layer is not None:
                 on_layer(i, results[i])

@@ -182,3 +182,20 @@ def test_not_positive_definite_hessian():
         gptq_quantize(w, torch.full((k, k), float("nan")))
     with pytest.raises(ValueError, match="does not match in-features"):
         gptq_quantize(w, torch.eye(16))
+
+
+@pytest.mark.parametrize("damp", [0.01, 1.0])
+def test_in_place_dampening_is_the_formula_bit_for_bit(damp):
+    """The inverse factor is the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, as the
+    formula computes it with an identity matrix (the reference here), though H's diagonal is
+    dampened in place; H comes back unchanged."""
+    from sala.quant.gptq import _inverse_hessian_cholesky
+
+    x = correlated_inputs(512, 96)
+    h = x.T @ x * (2.0 / 512)
+    before = h.clone()
+    u, used = _inverse_hessian_cholesky(h, damp, "layer")
+    eye = torch.eye(h.shape[0])
+    chol = torch.linalg.cholesky(before + damp * before.diagonal().mean() * eye)
+    expected = torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
+    assert used == damp and torch.equal(u, expected) and torch.equal(h, before)
