@@ -70,7 +70,7 @@ class Model:
 def models() -> list[Model]:
     """Each checkpoint in the dtype it loads in: the 9B in bf16 (NVFP4 or not: the BF16 run is
     the NVFP4 one without the W4A16 launches); tiny-sala in fp32 as built, and in bf16 once
-    quantized (sala.quant.load.load_quantized_model's default)."""
+    quantized (sala.checkpoint.load_model's default for an NVFP4 checkpoint)."""
     tiny = SALAConfig(vocab_size=RECIPE["vocab_size"], **RECIPE["config"])
     return [Model("9B", SALAConfig(**MINICPM_SALA_9B), ((torch.bfloat16, True),)),
             Model("tiny-sala", tiny, ((torch.float32, False), (torch.bfloat16, True)))]

@@ -3,7 +3,6 @@ hands a compressed-tensors quantization_config to."""
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 from torch import nn
@@ -72,17 +71,6 @@ class NVFP4Checkpoint:
     def keeps_dtype(key: str) -> bool:
         """Packed weights and their scales load as stored, whatever dtype the model is asked in."""
         return key.endswith(TENSOR_SUFFIXES)
-
-
-def load_quantized_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu",
-                         verify: bool = True, packed: bool = True):
-    """Load an NVFP4 checkpoint: quantized Linears become NVFP4Linear (packed weights on the
-    W4A16 path), or, with packed=False, ordinary Linears holding the dequantized weights."""
-    from sala.checkpoint import CheckpointReader, read_config
-
-    if not getattr(read_config(path), "quantization_config", None):
-        raise CheckpointError(f"{path}: config.json has no quantization_config (not an NVFP4 checkpoint)")
-    return CheckpointReader(path, verify, packed).model(dtype, device)
 
 
 def check_kv_scales(scales: dict[str, torch.Tensor], strategy: str | None, path, config) -> None:

@@ -18,7 +18,6 @@ from sala.checkpoint import CheckpointError, load_model, write_manifest
 from sala.quant.export import export_checkpoint
 from sala.quant.layerwise import apply_quantized, quantize_model
 from sala.quant.linear import NVFP4Linear
-from sala.quant.load import load_quantized_model
 from tests.model.test_model import random_model
 
 # Every in-feature (hidden 64, intermediate 96, heads x head_dim 64) is a multiple of 16;
@@ -60,7 +59,7 @@ def parsed_config(path) -> QuantizationConfig:
 
 def test_reload_dequantized_equals_in_memory_bit_for_bit(exported):
     reference, quantized, path, _ = exported
-    model = load_quantized_model(path, dtype=torch.float32, packed=False)
+    model = load_model(path, dtype=torch.float32, packed=False)
     state = model.state_dict()
     for name, q in quantized.items():
         assert torch.equal(state[f"{name}.weight"], q.dequantize(torch.float32)), name
@@ -87,8 +86,8 @@ def test_reload_packed_holds_the_quantized_tensors(exported):
 
 def test_packed_logits_equal_dequantized_logits(exported):
     _, _, path, _ = exported
-    packed = load_quantized_model(path, dtype=torch.float32, packed=True)
-    dense = load_quantized_model(path, dtype=torch.float32, packed=False)
+    packed = load_model(path, dtype=torch.float32, packed=True)
+    dense = load_model(path, dtype=torch.float32, packed=False)
     ids = torch.randint(0, packed.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a = packed(ids, use_cache=False).logits
@@ -104,8 +103,8 @@ def test_linears_with_bias_round_trip(tmp_path):
             layer.self_attn.q_proj.bias.normal_()
     quantized = quantize(copy.deepcopy(reference), "rtn", "4over6")
     path = export_checkpoint(reference, quantized, tmp_path / "ckpt", scale_rule="4over6", method="rtn")
-    packed = load_quantized_model(path, dtype=torch.float32, packed=True)
-    dense = load_quantized_model(path, dtype=torch.float32, packed=False)
+    packed = load_model(path, dtype=torch.float32, packed=True)
+    dense = load_model(path, dtype=torch.float32, packed=False)
     bias = packed.model.layers[0].self_attn.q_proj.bias
     assert torch.equal(bias, reference.model.layers[0].self_attn.q_proj.bias.bfloat16().float())
     # In memory too: apply_quantized's packed modules keep the bias.
@@ -151,7 +150,7 @@ def test_compressed_tensors_checkpoint_dequantizer_agrees(exported, tmp_path):
     out = tmp_path / "dequantized"
     convert_checkpoint(path, out, CompressedTensorsDequantizer(path, dtype=torch.bfloat16), max_workers=1, device="cpu")
     theirs = load_file(str(out / "model.safetensors"))
-    ours = load_quantized_model(path, dtype=torch.bfloat16, packed=False).state_dict()
+    ours = load_model(path, dtype=torch.bfloat16, packed=False).state_dict()
     assert sorted(theirs) == sorted(ours)
     for key, value in ours.items():
         assert torch.equal(theirs[key], value), key
@@ -183,7 +182,7 @@ def test_act_order_is_declared_static(tmp_path):
     weights = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
     assert weights["actorder"] == "static"
     assert parsed_config(path).config_groups["group_0"].weights.actorder == "static"
-    load_quantized_model(path)  # static act-order stores no g_idx: loads like any other
+    load_model(path)  # static act-order stores no g_idx: loads like any other
 
 
 # ---- fused groups ---------------------------------------------------------------------------

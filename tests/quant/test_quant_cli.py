@@ -62,9 +62,9 @@ def test_gptq_beats_rtn_on_the_same_calibration_inputs(gptq_run, tiny_sala_dir):
     module, and the CLI's printed output errors are these numbers."""
     from transformers import AutoTokenizer
 
+    from sala.checkpoint import load_model
     from sala.eval import calibration as cal
     from sala.quant.layerwise import layer_groups
-    from sala.quant.load import load_quantized_model
     from sala.quant.nvfp4 import quantize_rtn
 
     out, r = gptq_run
@@ -73,7 +73,7 @@ def test_gptq_beats_rtn_on_the_same_calibration_inputs(gptq_run, tiny_sala_dir):
     printed = {f"{ln.split()[0]}.{ln.split()[1]}": float(ln.split()[4]) for ln in lines[header + 1:]
                if ln.split()[:1] and ln.split()[0].isdigit()}
     model = load_model(tiny_sala_dir, dtype=torch.float32)
-    gptq = dict(load_quantized_model(out, dtype=torch.float32, packed=False).named_parameters())
+    gptq = dict(load_model(out, dtype=torch.float32, packed=False).named_parameters())
     seqs = cal.calibration_sequences(AutoTokenizer.from_pretrained(tiny_sala_dir), 4, 64)  # SMALL's
     m = model.model
     h = m.embed_tokens(seqs) * model.config.scale_emb
