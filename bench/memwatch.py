@@ -5,8 +5,10 @@ Two peaks, each relative to its value when the watch started:
   free pages parked in per-CPU lists, which MemAvailable does not count as free). It counts
   every process (Ray workers, raylets, anything else running), tmpfs and /dev/shm (Ray's object
   store), and not the page cache, which the kernel gives back on demand.
-- `tree`: the sum of Pss (proportional set size: a shared page counts 1/n in each of its n
-  processes, so the sum is the tree's real footprint) over a process and all its descendants,
+- `tree`: the sum of Pss_Anon + Pss_Shmem (proportional set size: a shared page counts 1/n in
+  each of its n processes, so the sum is the tree's real footprint; anonymous and shared memory
+  only, since file pages mapped from disk, a checkpoint read through mmap or the libraries, are
+  page cache the kernel drops under pressure) over a process and all its descendants,
   found anew at every sample so that processes started later (Ray workers) count. A process
   seen in the tree once stays in it while it lives, even after its parent exits and it is
   reparented (a daemon that `ray start` leaves behind).
@@ -54,14 +56,12 @@ def per_cpu_free_bytes() -> int:
 
 
 def pss_bytes(pid: int) -> int:
-    """Pss of one process (0 for one that is gone or unreadable, kernel threads included)."""
+    """Pss_Anon + Pss_Shmem of one process (0 for one that is gone or unreadable, kernel threads included)."""
     try:
-        for line in (PROC / str(pid) / "smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
+        return sum(int(line.split()[1]) * 1024 for line in (PROC / str(pid) / "smaps_rollup").read_text().splitlines()
+                   if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
     except _GONE:
-        pass
-    return 0
+        return 0
 
 
 def processes() -> dict[tuple[int, int], int]:
@@ -83,7 +83,7 @@ def processes() -> dict[tuple[int, int], int]:
 class PeakMemory:
     """Context manager: a daemon thread samples both measures every `interval` seconds while the
     block runs, and once more at its end. `root` (default: this process) and `roots` are the
-    trees whose Pss is summed."""
+    trees whose anonymous + shared Pss is summed."""
 
     def __init__(self, root: int | None = None, roots: Iterable[int] = (), interval: float = 0.05):
         self.roots = {os.getpid() if root is None else root, *roots}
@@ -102,7 +102,7 @@ class PeakMemory:
         self._error: BaseException | None = None  # the sampling thread's, raised at the block's end
 
     def tree_bytes(self) -> int:
-        """Sum of Pss over the roots, their descendants, and live processes seen in the tree before."""
+        """Sum of anonymous + shared Pss over the roots, their descendants, and live processes seen in the tree before."""
         procs = processes()
         children: dict[int, list[tuple[int, int]]] = {}
         for key, ppid in procs.items():
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
     s = peak.summary()
     print(f"\npeak memory of: {' '.join(cmd)}")
     rows = [("system (MemTotal - MemAvailable, over its start)", f"{s['peak_system_gib']:.3f} GiB"),
-            ("process tree (sum of Pss, over its start)", f"{s['peak_tree_gib']:.3f} GiB"),
+            ("process tree (sum of anonymous + shared Pss, over its start)", f"{s['peak_tree_gib']:.3f} GiB"),
             ("processes in the tree", s["processes"]), ("samples", s["samples"]), ("seconds", s["seconds"]),
             ("exit status", result.returncode)]
     for name, value in rows:

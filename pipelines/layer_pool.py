@@ -82,11 +82,12 @@ class LayerWorker:
     """Ray actor: the calibration shards' hidden states entering layer `self.layer`, and that
     layer's Hessians by site once computed."""
 
-    def __init__(self, model_dir: str, shards: list):
+    def __init__(self, model_dir: str, shards: list, need):
         from sala.checkpoint import CheckpointReader
 
         _torch_threads()
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.need = need
         # The driver verified the checkpoint's manifest; a worker reads only the tensors it needs.
         self.reader = CheckpointReader(model_dir, verify=False)
         self.shard_refs = shards
@@ -95,9 +96,13 @@ class LayerWorker:
         self.hessians: dict[str, torch.Tensor] = {}
 
     def whoami(self) -> tuple[int, str]:
-        """(process id, Ray node id)."""
+        """(process id, Ray node id): the actor's first call, once it has checked that its device
+        can hold its work (WontFit otherwise: a clear refusal, not an out-of-memory error an hour in)."""
         import ray
 
+        from sala.quant.memory import check_device
+
+        check_device(self.need, self.device)
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def quantize(self, job: Job, opts: dict, applied: list | None) -> tuple[bytes, dict]:
@@ -172,11 +177,20 @@ class LayerPool:
     """The driver's side: LayerWorker actors over `shards` calibration shards, spread over the
     cluster's nodes, kept at `workers` by replacing each that dies."""
 
-    def __init__(self, model_dir, seqs: torch.Tensor, shards: int, workers: int, gpus: float):
+    def __init__(self, model_dir, seqs: torch.Tensor, shards: int, workers: int, gpus: float, need):
         import ray
 
+        from sala.quant.memory import WontFit, size
+
         chunks = [c for c in torch.tensor_split(seqs, min(shards, len(seqs))) if len(c)]
-        self.actor = ray.remote(LayerWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=0,
+        # Ray places no more workers on a node than its memory resource holds.
+        host = need.worker_host(bool(gpus))
+        largest = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
+        if host > largest:
+            raise WontFit(f"a quantize worker needs {size(host)} of host memory and the largest node offers {size(largest)} "
+                          "(its Ray memory resource); raise --shards or lower --num-samples / --seq-len")
+        self.need = need
+        self.actor = ray.remote(LayerWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, memory=host, max_restarts=0,
                                                      max_task_retries=0, scheduling_strategy="SPREAD")
         self.model_dir = str(model_dir)
         self.shards = len(chunks)
@@ -199,7 +213,7 @@ class LayerPool:
 
     # -- actors
     def _start(self) -> None:
-        a = self.actor.remote(self.model_dir, self.shard_refs)
+        a = self.actor.remote(self.model_dir, self.shard_refs, self.need)
         self.at[a] = 0
         self.starting[a.whoami.remote()] = a
 
@@ -207,12 +221,16 @@ class LayerPool:
         """Those of `refs` (whoami calls of starting actors, all ready) join the pool; returns those that did."""
         import ray
 
+        from sala.quant.memory import WontFit
+
         joined = []
         for ref in refs:
             a = self.starting.pop(ref)
             try:
                 self.pid[a], self.node[a] = ray.get(ref)
             except Exception as e:
+                if isinstance(getattr(e, "cause", None), WontFit):
+                    raise e.cause from None
                 if not _lost(e):
                     raise RuntimeError(f"a quantize worker failed to start: {e}") from e
                 self._start()  # it died starting (its node went away): ask again

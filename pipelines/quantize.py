@@ -40,6 +40,8 @@ from registry.tracking import TrackingError, check_reachable, interrupt_deferred
 from sala.checkpoint import CheckpointError, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
 from sala.kv import PLAN_FILE, KVPlanError, load_plan  # noqa: E402
+from sala.quant.export import MAX_SHARD_BYTES  # noqa: E402
+from sala.quant.memory import QuantizeMemory, WontFit, available_host_bytes, check_host, quantize_memory  # noqa: E402
 from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 
 # The registry gate: pipelines/evaluate.py's logprob comparison of the written checkpoint against
@@ -57,6 +59,7 @@ from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 # The limits sit at ~2.6x the measured GPTQ-4/6 KL (room for calibration sets and seeds) and ~4x
 # below the broken checkpoint's; the old `KL <= 0.5` passed a KL 43x the measured one.
 GATE = {"max_kl": 0.03, "max_flip_rate": 0.15, "min_cosine": 0.98}
+GATE_PROMPT_TOKENS = 96  # each gate prompt's first tokens, all scored but the first
 
 
 def gate_failures(score: dict, max_kl: float, max_flip_rate: float, min_cosine: float) -> list[str]:
@@ -175,8 +178,8 @@ class LayerStore:
 
 
 # --------------------------------------------------------------------------------- stages
-def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: LayerStore, workers: int, log_layer
-                     ) -> list[dict]:
+def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: LayerStore, workers: int, log_layer,
+                     need: QuantizeMemory) -> list[dict]:
     """Every layer quantized on a pool of Ray actors, each finished layer saved in `store` as it
     completes (the driver keeps none in memory); returns the per-module table of every layer."""
     import ray
@@ -213,7 +216,7 @@ def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: L
         return blob
 
     if todo:
-        pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0))
+        pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0), need)
         print(f"workers    {len(pool.live)} Ray actors on {pool.nodes} node(s) (pids {' '.join(map(str, pool.pids))}) over "
               f"{pool.shards} calibration shards", flush=True)
         if args.mode == "parallel" or args.method == "rtn":  # RTN reads no inputs: nothing to be sequential about
@@ -331,7 +334,7 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except (ModelSpecError, CheckpointError, cal.DatasetError, TrackingError, RayUnavailable, FileExistsError,
-            KVPlanError) as e:
+            KVPlanError, WontFit) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
@@ -380,8 +383,15 @@ def run(args) -> int:
     print(f"calibration source mix:\n{report.table()}")
     print(f"calibration set: {len(seqs)} sequences x {args.seq_len} tokens, target mix {mix or 'source mix'}")
 
+    # What the run needs, said and checked before anything of the model is loaded.
+    need = quantize_memory(config, len(seqs), args.seq_len, args.shards, args.method, MAX_SHARD_BYTES,
+                           args.gate_prompts * GATE_PROMPT_TOKENS + args.eval_sequences * args.seq_len)
+    if not os.environ.get("RAY_ADDRESS"):  # this machine hosts the driver and every worker
+        gpus = torch.cuda.device_count()
+        check_host(need, args.workers or gpus or os.cpu_count() or 1, gpus > 0, available_host_bytes())
     resources = init_ray(num_cpus=args.workers)
     workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
+    print(need.describe(workers, resources.get("GPU", 0) > 0), flush=True)
     setup_mlflow(args.experiment)
     store = LayerStore(output.with_name(f".{output.name}.layers"), fingerprint(args, model_dir, seqs))
     register_name = args.register_name or f"{name}-nvfp4"
@@ -402,7 +412,7 @@ def run(args) -> int:
                 mlflow.log_metric("layers_done", len(list(store.dir.glob("layer_*.json"))), step=idx)
 
         t0 = time.time()
-        rows_table = run_quantization(args, model_dir, config, seqs, store, workers, log_layer)
+        rows_table = run_quantization(args, model_dir, config, seqs, store, workers, log_layer, need)
         quant_seconds = time.time() - t0
         m4 = sum(r["m4_share"] for r in rows_table) / len(rows_table)
 
@@ -425,7 +435,8 @@ def run(args) -> int:
         _, heldout = split_corpus(10)
         windows = window_sequences(token_stream(tokenizer, heldout), args.seq_len, args.eval_sequences)
         # What was written is scored, not what is in memory; a layer at a time, the two models never together.
-        score = score_checkpoint(output, model_dir, num_prompts=args.gate_prompts, windows=windows,
+        score = score_checkpoint(output, model_dir, num_prompts=args.gate_prompts, prompt_tokens=GATE_PROMPT_TOKENS,
+                                 windows=windows,
                                  progress=lambda stage: print(f"gate       scoring the {stage}", flush=True))
         quality = {k.removeprefix("heldout_"): v for k, v in score.items() if k.startswith("heldout_")}
         failures = gate_failures(score, args.max_kl, args.max_flip_rate, args.min_cosine)

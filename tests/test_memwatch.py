@@ -1,8 +1,10 @@
 """bench/memwatch.py against allocations of known size: a child's, a grandchild's, a /dev/shm file's.
 
 The tree measure is per process and exact to the interpreter's own few MiB, so it is checked on
-every run. The system measure is the whole machine's, so another test allocating or freeing at
-the same moment moves it: it has to come within bounds on one of three runs.
+every run. The system measure is the whole machine's, so what other processes allocate at the
+same moment (the other test worker, a build) adds to it: it must show at least 85% of the
+allocation, on one of three runs (a measure that misses the allocation, as MemAvailable alone
+does on Linux 6.x, shows far less).
 """
 import json
 import os
@@ -24,14 +26,14 @@ def near(measured: int, expected: int, tolerance: float = 0.15) -> bool:
     return abs(measured - expected) <= tolerance * expected
 
 
-def system_within(cmd: list[str], expected: int) -> list[float]:
-    """Runs `cmd` up to three times until the system peak is within 15% of `expected`; the peaks seen, in MiB."""
+def system_at_least(cmd: list[str], expected: int) -> list[float]:
+    """Runs `cmd` up to three times until the system peak is at least 85% of `expected`; the peaks seen, in MiB."""
     seen = []
     for _ in range(3):
         result, peak = run_measured(cmd)
         assert result.returncode == 0, result.stderr
         seen.append(peak.peak_system_bytes / MIB)
-        if near(peak.peak_system_bytes, expected):
+        if peak.peak_system_bytes >= 0.85 * expected:
             break
     return seen
 
@@ -42,8 +44,8 @@ def test_child_allocation_counts_in_both_peaks():
     assert result.returncode == 0, result.stderr
     assert near(peak.peak_tree_bytes, 512 * MIB), peak.summary()
     assert peak.samples >= 10 and peak.seconds >= 1.0
-    seen = system_within(cmd, 512 * MIB)
-    assert near(seen[-1] * MIB, 512 * MIB), f"system peaks {seen} MiB, expected 512"
+    seen = system_at_least(cmd, 512 * MIB)
+    assert seen[-1] >= 0.85 * 512, f"system peaks {seen} MiB, expected 512"
 
 
 def test_grandchild_allocation_counts_in_the_tree():
@@ -73,8 +75,8 @@ def test_shm_file_counts_in_system_not_in_the_tree():
     write = (f"import os, time\nwith open({str(path)!r}, 'wb') as f:\n    for _ in range(256): f.write(b'\\1' * (1 << 20))\n"
              f"time.sleep(1.0)\nos.unlink({str(path)!r})")  # 1 MiB at a time: the writer itself stays small
     try:
-        seen = system_within([sys.executable, "-c", write], 256 * MIB)
-        assert near(seen[-1] * MIB, 256 * MIB), f"system peaks {seen} MiB, expected 256"
+        seen = system_at_least([sys.executable, "-c", write], 256 * MIB)
+        assert seen[-1] >= 0.85 * 256, f"system peaks {seen} MiB, expected 256"
         result, peak = run_measured([sys.executable, "-c", write])
         assert peak.peak_tree_bytes < 64 * MIB, peak.summary()
     finally:
@@ -118,6 +120,6 @@ def test_command_line_prints_the_peaks_and_passes_the_exit_status_on():
     summary = json.loads(out.stdout.splitlines()[-1])
     assert summary["rc"] == 3 and summary["seconds"] >= 1.0
     assert near(summary["peak_tree_gib"] * (1 << 30), 256 * MIB), summary
-    assert "process tree (sum of Pss" in out.stdout
+    assert "process tree (sum of anonymous + shared Pss" in out.stdout
     no_command = subprocess.run([sys.executable, script, "python"], capture_output=True, text=True)
     assert no_command.returncode == 2 and no_command.stderr.count("\n") == 1

@@ -69,14 +69,19 @@ class LayerwiseModel:
         return rows.to(self.reader.dtype(self.weights_dtype)).float().to(self.device)
 
     def top_logprobs(self, prompts: list[list[int]], starts: list[int], top_k: int) -> list[lp.TopLogprobs]:
-        """Teacher-forced top-k of tokens starts[i] .. len - 1 of each prompt (each its own batch: no padding)."""
-        hidden = self.hidden([torch.tensor([p]) for p in prompts])
-        out = []
-        for h, p, s in zip(hidden, prompts, starts):
-            rows = [chunk.topk(top_k, dim=-1) for chunk in self.logprobs(h[0, s - 1 : len(p) - 1])]
-            out.append(lp.TopLogprobs(torch.cat([r.indices for r in rows]).int().cpu().numpy(),
-                                      torch.cat([r.values for r in rows]).cpu().numpy()))
-        return out
+        """Teacher-forced top-k of tokens starts[i] .. len - 1 of each prompt; prompts of one length
+        run as one batch (no padding), so a quantized weight is dequantized once per length, not per prompt."""
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        groups = list(by_length.values())
+        out: dict[int, lp.TopLogprobs] = {}
+        for idx, hidden in zip(groups, self.hidden([torch.tensor([prompts[i] for i in idx]) for idx in groups])):
+            for row, i in enumerate(idx):
+                tops = [chunk.topk(top_k, dim=-1) for chunk in self.logprobs(hidden[row, starts[i] - 1 : len(prompts[i]) - 1])]
+                out[i] = lp.TopLogprobs(torch.cat([t.indices for t in tops]).int().cpu().numpy(),
+                                        torch.cat([t.values for t in tops]).cpu().numpy())
+        return [out[i] for i in range(len(prompts))]
 
 
 def gate_scores(reference, candidate, prompts: list[list[int]], windows: torch.Tensor, *,

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from sala.checkpoint import CheckpointError, load_model, read_config
+from sala.checkpoint import CheckpointError, ShardedTensors, load_model, read_config
 from sala.eval import calibration as cal
 from sala.eval.compare import compare_models, window_sequences
 from sala.model import SALAForCausalLM
 from sala.quant.export import export_checkpoint
 from sala.quant.layerwise import ModuleStats, quantize_model, quantized_module_names
+from sala.quant.memory import WontFit, available_host_bytes, size
 from sala.quant.nvfp4 import GROUP_SIZE
 from sala.tiny import ensure_tiny_sala, split_corpus, token_stream
 
@@ -105,6 +107,14 @@ def run(args) -> int:
     print(f"calibration {len(seqs)} sequences x {args.seq_len} tokens "
           f"({args.calibration or 'default set'}, {args.num_samples} rows)\n")
 
+    # In one process the model is held twice in fp32 (quantized in place, and the reference the
+    # export reads): fine for tiny-sala, too much for the 9B, which pipelines/quantize.py streams.
+    tensors = ShardedTensors(model_dir, verify=False)
+    need = 2 * 4 * sum(math.prod(tensors.shape(name)) for name in tensors.names())
+    if need > available_host_bytes():
+        raise WontFit(f"{model_dir}: this command holds the model twice in fp32, {size(need)}, and {size(available_host_bytes())} "
+                      "is available; pipelines/quantize.py quantizes it one layer at a time")
+    print(f"memory      {size(need)}: the model twice in fp32\n")
     model = load_model(model_dir, dtype=torch.float32)
     reference = copy.deepcopy(model)
     t0 = time.time()
@@ -137,7 +147,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (ValueError, FileExistsError) as e:  # CheckpointError, DatasetError, degenerate Hessians
+    except (ValueError, FileExistsError, WontFit) as e:  # CheckpointError, DatasetError, degenerate Hessians
         print(f"error: {e}", file=sys.stderr)
         return 2
 

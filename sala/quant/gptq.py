@@ -148,12 +148,16 @@ def gptq_quantize(
     scale_f = scale.float()
     group_of = torch.arange(n_cols, device=w.device) // GROUP_SIZE
 
-    h = hessian.to(w.device, torch.float32).clone()
+    # H itself where nothing changes it but the dampening, which comes off again exactly: a copy
+    # of a 16384-wide Hessian is 1 GiB.
+    h = hessian.to(w.device, torch.float32)
     # A column no calibration token touched has no say in the output on calibration data.
     # The reference implementations zero its weights; we keep them (plain RTN): nothing
     # argues for zero, and the feature may well be active at inference.
     dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
+    if dead.any():
+        h = h.clone()
+        h[dead, dead] = 1.0
 
     if act_order:
         # Quantize the columns with the largest activations first, while the most columns are

@@ -33,14 +33,14 @@ class NVFP4Checkpoint:
         model = reader.skeleton
         declared = {n for scheme in parsed.config_groups.values()
                     for n, _ in match_named_modules(model, scheme.targets, parsed.ignore)}
-        self.names = sorted({k.rsplit(".", 1)[0] for k in tensors.names() if k.endswith(".weight_packed")})
+        self.names = {k.rsplit(".", 1)[0] for k in tensors.names() if k.endswith(".weight_packed")}  # the packed Linears
         mismatched = sorted(declared.symmetric_difference(self.names))
         if mismatched:
             name = mismatched[0]
             which = "has no weight_packed" if name in declared else "has weight_packed but is not a target"
             raise CheckpointError(f"{path}: {name} {which} of quantization_config (targets minus ignore)")
         self.stored = copy.deepcopy(model)  # the modules as stored: what the shards are checked against
-        for name in self.names:
+        for name in sorted(self.names):
             missing = [s for s in TENSOR_SUFFIXES if f"{name}.{s}" not in tensors]
             if missing:
                 raise CheckpointError(f"{path}: {name} has weight_packed but no {missing[0]}")
@@ -53,7 +53,6 @@ class NVFP4Checkpoint:
             if packed:
                 model.get_submodule(parent).register_module(child, copy.deepcopy(new))
         self.packed, self.tensors = packed, tensors
-        self._quantized = set(self.names)
 
     def tensor(self, key: str) -> torch.Tensor | None:
         """The dequantized fp32 weight where a quantized Linear loads unpacked; None for every other
@@ -61,7 +60,7 @@ class NVFP4Checkpoint:
         from sala.quant.nvfp4 import dequantize, unpack_fp4
 
         module, _, leaf = key.rpartition(".")
-        if self.packed or leaf != "weight" or module not in self._quantized:
+        if self.packed or leaf != "weight" or module not in self.names:
             return None
         t = self.tensors
         return dequantize(unpack_fp4(t.get(f"{module}.weight_packed")), t.get(f"{module}.weight_scale"),
