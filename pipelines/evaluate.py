@@ -126,8 +126,28 @@ class LosslessError(RuntimeError):
     """Greedy Medusa decoding left the plain greedy path: tree verify is broken, not the heads."""
 
 
-def score_medusa(checkpoint: str | Path, *, batch_size: int = 8, num_prompts: int = 16, prompt_tokens: int = 64,
-                 max_new_tokens: int = 32, temperature: float = 0.7, seed: int = 0) -> dict:
+DRIFT_PROMPT_TOKENS, DRIFT_NEW_TOKENS = 64, 32  # score_medusa's prompts and continuations
+
+
+def engine_context(tokens: int) -> int:
+    """The max_model_len of an engine whose requests hold at most `tokens` tokens, its cache sized
+    for them: whole K/V pages, since its default cache holds max_seqs requests of max_model_len
+    tokens and a request takes whole pages (with less, requests would wait for pages, and what
+    shares a step would change)."""
+    from sala.engine.config import PAGE_SIZE
+
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
+def drift_engine_settings(prompt_tokens: int = DRIFT_PROMPT_TOKENS, max_new_tokens: int = DRIFT_NEW_TOKENS) -> dict:
+    """The settings of score_medusa's engines: a context of a prompt, its continuation and one
+    more token."""
+    return {"max_model_len": engine_context(prompt_tokens + max_new_tokens + 1)}
+
+
+def score_medusa(checkpoint: str | Path, *, batch_size: int = 8, num_prompts: int = 16,
+                 prompt_tokens: int = DRIFT_PROMPT_TOKENS, max_new_tokens: int = DRIFT_NEW_TOKENS,
+                 temperature: float = 0.7, seed: int = 0) -> dict:
     """Decode drift of `checkpoint` served with its Medusa heads, against its own backbone decoding
     plainly in evaluation mode (the baseline, in the checkpoint's dtype: BF16 for a BF16 model).
     Greedy tree verify is lossless, so its path must be the baseline's (LosslessError otherwise,
@@ -135,16 +155,19 @@ def score_medusa(checkpoint: str | Path, *, batch_size: int = 8, num_prompts: in
     is not, and are reported beside plain sampling at the same temperature and seed, so what the
     acceptance rule adds to the drift sampling has anyway is visible. -> {medusa_greedy_*,
     medusa_typical_*, plain_sampled_*: drift summaries (identical share, first divergence, KL,
-    flips)}."""
+    flips)}. The three engines decode one model, loaded once."""
     from sala.engine import Engine
     from sala.eval.engine_source import EngineSource
+    from sala.medusa.heads import load_heads
 
-    ref = EngineSource.from_pretrained(checkpoint)  # evaluation mode decodes plainly
-    tok = ref.engine.tokenizer
+    settings = drift_engine_settings(prompt_tokens, max_new_tokens)
+    ref = EngineSource.from_pretrained(checkpoint, **settings)  # evaluation mode decodes plainly
+    model, tok, kv_plan = ref.engine.model, ref.engine.tokenizer, ref.engine.config.kv_plan
     prompts = tokenize_prompts(builtin_rows(num_prompts), lambda t: tok(t)["input_ids"], prompt_tokens)
     base = lp.collect_baseline(ref, prompts, max_new_tokens=max_new_tokens, batch_sizes=(batch_size,))[batch_size]
-    medusa = Engine.from_pretrained(checkpoint, medusa=True, compile=False)
-    plain = Engine.from_pretrained(checkpoint, medusa=False, compile=False)
+    heads = load_heads(checkpoint, model.config, ref.engine.config.device)
+    medusa = Engine(model, tok, medusa=heads, kv_plan=kv_plan, compile=False, **settings)
+    plain = Engine(model, tok, kv_plan=kv_plan, compile=False, **settings)
     out = {}
     for label, engine, temp in (("medusa_greedy", medusa, 0.0), ("medusa_typical", medusa, temperature),
                                 ("plain_sampled", plain, temperature)):

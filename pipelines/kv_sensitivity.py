@@ -13,6 +13,15 @@ manifest rewritten), which `Engine.from_pretrained` and the server then use as i
 copy is registered in the MLflow model registry as a new version of `--register-name` (default
 <model>-kv), tagged with the plan (kv_plan, kv_bytes_per_token, state_bytes_per_seq) and its KL.
 
+Memory: the driver loads the model (in the checkpoint's dtype) for the calibration and the
+reference and frees it before any task starts; each task loads it in turn. Loading maps the
+shards, so the tasks of a host share one copy of the weights and each adds only its own
+measurement (one batch's log-probs, cache and activations) and runtime. Before loading, the
+driver prints what it and each task need (sala/kv/measure.py's measure_bytes, from the shards'
+headers and the config) and refuses, naming a `--max-concurrent` that fits, a run whose tasks
+at once a host cannot hold (pipelines/capacity.py); Ray schedules each task with its own bytes
+as its `memory` resource.
+
     python pipelines/kv_sensitivity.py [--model DIR|models:/name@alias] [--max-kl X] [--fp8-layers N] [--output DIR]
 """
 from __future__ import annotations
@@ -39,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output", help="checkpoint copy with the plan (default: $SALA_HOME/kv/<model>-kv)")
     ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     ap.add_argument("--max-retries", type=int, default=3, help="retries of a measurement whose worker died")
+    ap.add_argument("--max-concurrent", type=int, help="measurement tasks running at once (default: as many as Ray has CPUs)")
     ap.add_argument("--experiment", default="kv_sensitivity", help="MLflow experiment")
     ap.add_argument("--register-name", help="registered model the checkpoint with its plan becomes a version of "
                                             "(default: <model>-kv)")
@@ -50,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--fp8-layers must be >= 0")
     if args.windows <= 0 or args.calib_windows <= 0:
         ap.error("--windows and --calib-windows must be positive")
+    if args.max_concurrent is not None and args.max_concurrent <= 0:
+        ap.error("--max-concurrent must be positive")
     return args
 
 
@@ -83,12 +95,48 @@ def bar_plot(table: list[dict], kinds: list[str]):
     return fig
 
 
+def needs(model, windows: int, calib_windows: int):
+    """What the driver and each measurement task hold at their peaks, for the model's
+    CheckpointFootprint: from the config and the windows, without loading anything."""
+    from sala.footprint import RUNTIME_BYTES, Need
+    from sala.kv.measure import calibrate_bytes, measure_bytes
+
+    measuring = measure_bytes(model.config, windows, SEQ + 1, PREFIX, model.dtype)
+    calibrating = calibrate_bytes(model.config, calib_windows, SEQ + 1, model.dtype)
+    own = {"runtime": RUNTIME_BYTES, **model.own()}
+    driver = Need("the driver (calibration, then the reference)", model.mapped,
+                  own | max(calibrating, measuring, key=lambda part: sum(part.values())))
+    return driver, Need("measurement task", model.mapped, own | measuring)
+
+
+def plan_memory(args, model_path: Path, tasks: int):
+    """Print what the driver and each task need; refuse (MemoryShortfall) what the hosts cannot
+    hold, the first `tasks` measurements running at once up to --max-concurrent or the CPUs.
+    Returns the task's Need."""
+    from pipelines.capacity import check_driver, check_workers, ray_nodes
+    from sala.footprint import CheckpointFootprint, gib, host_memory
+
+    model = CheckpointFootprint(model_path)
+    driver, task = needs(model, args.windows, args.calib_windows)
+    print(f"memory: model {model.describe()}\nmemory: {driver.describe()}\nmemory: each {task.describe()}", flush=True)
+    least = needs(model, 1, 1)[0].total
+    check_driver(driver, "fewer --windows and --calib-windows would fit" if least <= host_memory() else
+                 f"even 1 window of each needs {gib(least)}: run on a host with more memory")
+    nodes = ray_nodes()
+    at_once = min(args.max_concurrent or tasks, tasks)
+    for line in check_workers(task, at_once, nodes, lambda n: f"--max-concurrent {n} would fit"):
+        print(f"memory: measurement tasks, {line}", flush=True)
+    return task
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pipelines.raycluster import RayUnavailable, init_ray
     from registry.models import ModelSpecError, model_name, resolve_model_path
     from registry.tracking import TrackingError, setup_mlflow
     from sala.checkpoint import read_config
+    from sala.footprint import MemoryShortfall
+    from sala.kv.search import units
     from sala.tiny import ensure_tiny_sala, sala_home
 
     try:
@@ -104,41 +152,64 @@ def main(argv=None) -> int:
             raise ModelSpecError(f"{output} exists; pass --overwrite to replace it")
         setup_mlflow(args.experiment)
         init_ray()
-    except (ModelSpecError, TrackingError, RayUnavailable) as e:
+        task = plan_memory(args, model_path, 1 + len(units(config)))  # the baseline and every unit, submitted at once
+    except (ModelSpecError, TrackingError, RayUnavailable, MemoryShortfall) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run(args, model_path, texts, output, model_name(args.model, model_path))
+    return run(args, model_path, texts, output, model_name(args.model, model_path), task)
 
 
-def run(args, model_path: Path, texts: Path, output: Path, name: str) -> int:
+def reference_inputs(model_path: Path, windows, calib_windows: int, name: str):
+    """The driver's part, on a model loaded here and freed on return: FP8 scales calibrated on
+    the first `calib_windows` windows, and the unquantized cache's reference on the rest."""
+    from sala.checkpoint import load_model
+    from sala.kv.measure import calibrate_amax, reference_baseline
+
+    model = load_model(model_path)
+    amax = calibrate_amax(model, windows[:calib_windows])
+    return amax, reference_baseline(model, windows[calib_windows:], PREFIX, name=name)
+
+
+def bounded(submit, items: list, limit: int) -> list:
+    """ray.get of submit(item) for every item, in order, with at most `limit` of them in flight."""
+    import ray
+
+    pending, results, queue = {}, {}, list(enumerate(items))[::-1]
+    while queue or pending:
+        while queue and len(pending) < limit:
+            i, item = queue.pop()
+            pending[submit(item)] = i
+        (done,), _ = ray.wait(list(pending), num_returns=1)
+        results[pending.pop(done)] = ray.get(done)
+    return [results[i] for i in range(len(items))]
+
+
+def run(args, model_path: Path, texts: Path, output: Path, name: str, task_need) -> int:
     import mlflow
     import ray
     import torch
     from transformers import AutoTokenizer
 
+    from pipelines.capacity import ray_memory
     from registry.models import register_checkpoint
-    from sala.checkpoint import load_model
+    from sala.checkpoint import read_config
     from sala.checkpoint_files import atomic_directory, write_manifest
     from sala.eval.compare import window_sequences
     from sala.kv import KVPlan
-    from sala.kv.measure import calibrate_amax, reference_baseline
     from sala.kv.search import downgraded, greedy_plan, units
     from sala.tiny import token_stream
 
     torch.set_num_threads(1)
-    model, tok = load_model(model_path), AutoTokenizer.from_pretrained(model_path)
-    config = model.config
-    stream = token_stream(tok, texts.read_text().split("\n\n"))
+    config = read_config(model_path)
+    stream = token_stream(AutoTokenizer.from_pretrained(model_path), texts.read_text().split("\n\n"))
     windows = window_sequences(stream, SEQ, args.calib_windows + args.windows)
     if len(windows) <= args.calib_windows:
         print(f"error: {texts} holds {len(windows)} windows of {SEQ + 1} tokens; need more than --calib-windows",
               file=sys.stderr)
         return 2
-    amax = calibrate_amax(model, windows[: args.calib_windows])
     held = windows[args.calib_windows :]
-    reference = reference_baseline(model, held, PREFIX, name=f"{model_path.name} unquantized cache")
-    del model
-    task = ray.remote(num_cpus=1, max_retries=args.max_retries)(measure_task)
+    amax, reference = reference_inputs(model_path, windows, args.calib_windows, f"{model_path.name} unquantized cache")
+    task = ray.remote(num_cpus=1, max_retries=args.max_retries, memory=ray_memory(task_need))(measure_task)
     path, held_ref, ref_ref = str(model_path), ray.put(held), ray.put(reference)
 
     def submit(plan: KVPlan):
@@ -148,8 +219,8 @@ def run(args, model_path: Path, texts: Path, output: Path, name: str) -> int:
     all_units = units(config)
     with mlflow.start_run(run_name=f"kv-sensitivity-{model_path.name}") as mlflow_run:
         mlflow.log_params({k: v for k, v in vars(args).items() if v is not None} | {"model_path": str(model_path)})
-        base_metrics, *unit_metrics = ray.get([submit(baseline)] + [submit(downgraded(baseline, u, args.kv_format))
-                                                                     for u in all_units])
+        plans = [baseline] + [downgraded(baseline, u, args.kv_format) for u in all_units]
+        base_metrics, *unit_metrics = bounded(submit, plans, args.max_concurrent or len(plans))
         print(f"baseline (all FP8, fp32 states): KL {base_metrics['kl_mean']:.3e}", flush=True)
         sensitivity = {u: m["kl_mean"] for u, m in zip(all_units, unit_metrics)}
         max_kl = args.max_kl

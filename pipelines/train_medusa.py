@@ -24,14 +24,26 @@ decoding plainly (pipelines/evaluate.py score_medusa: greedy must not drift at a
 acceptance is reported next to plain sampling; `--eval-prompts 0` skips it). Training state is saved
 beside --output every --checkpoint-every steps; running the same command again resumes it.
 Prints the checkpoint directory; the last line is JSON.
+
+Memory: one model per process, in the checkpoint's dtype (the heads train in fp32; the backbone
+is never upcast). Each distillation actor loads an engine sized for its windows; once they are
+gone the driver loads the model once, encodes, trains, evaluates, and measures accept length
+with an engine on that same model; the drift scoring's three engines share one model too.
+Loading maps the shards, so a host's processes share the weights, and an engine's own copies
+are its fused projections and its cache. Before loading anything, the driver prints what each
+actor, its training and its drift scoring need (sala/medusa/train.py's training_bytes,
+sala/footprint.py) and refuses, naming a --replicas or --batch-size that fits, what the hosts
+cannot hold (pipelines/capacity.py); Ray places each actor by its own bytes as its `memory`.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +97,9 @@ def parse_args(argv=None):
     return args
 
 
+ACCEPT_PROMPTS, ACCEPT_TOKENS = 32, 48  # accept length: validation prompts decoded greedily, new tokens each
+
+
 def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -93,20 +108,111 @@ def fail(message: str) -> int:
 class DistillStage:
     """A Ray Data actor holding one engine: windows' prompts in, the model's continuations out."""
 
-    def __init__(self, model_path: str, max_tokens: int, temperature: float, num_gpus: float):
+    def __init__(self, model_path: str, prompt_len: int, max_tokens: int, temperature: float, num_gpus: float):
         import torch
 
         from sala.checkpoint import gpu_device
         from sala.engine import Engine, SamplingParams
 
         torch.set_num_threads(1)
-        self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), medusa=False, compile=False)
+        self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), medusa=False,
+                                             **distill_settings(prompt_len, max_tokens))
         self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                                      seed=0 if temperature else None)
 
     def __call__(self, batch):
         outs = self.engine.generate([list(map(int, p)) for p in batch["prompt"]], self.params)
         return {"index": batch["index"], "continuation": [o.token_ids for o in outs]}
+
+
+def distill_settings(prompt_len: int, max_tokens: int) -> dict:
+    """A distillation engine's settings (it decodes plainly): its cache sized for a prompt and its continuation."""
+    from pipelines.evaluate import engine_context
+
+    return {"compile": False, "max_model_len": engine_context(prompt_len + max_tokens)}
+
+
+def accept_settings(prompt_len: int) -> dict:
+    """The accept-length engine's settings: its cache sized for a prompt and ACCEPT_TOKENS more."""
+    from pipelines.evaluate import engine_context
+
+    return {"compile": False, "max_model_len": engine_context(prompt_len + ACCEPT_TOKENS)}
+
+
+def actor_need(args, model):
+    """What each distillation actor holds: an engine on the model (CheckpointFootprint) sized for its windows."""
+    from sala.footprint import RUNTIME_BYTES
+
+    return model.engine_need("distillation actor", {"runtime": RUNTIME_BYTES},
+                             **distill_settings(args.prompt_len, args.seq_len - args.prompt_len))
+
+
+def driver_needs(args, model, windows: int, batch: int) -> list:
+    """What the driver holds at the peaks of its two phases on one model (CheckpointFootprint),
+    training on `windows` windows in batches of `batch`: the training (encoding first), then
+    the accept-length engine on that model (the heads and their gradients kept, the optimizer
+    and the encoded windows gone)."""
+    from sala.footprint import RUNTIME_BYTES, Need, forward_bytes
+    from sala.medusa import train
+    from sala.medusa.heads import MedusaConfig
+
+    config, runtime = model.config, {"runtime": RUNTIME_BYTES}
+    heads = MedusaConfig(config.hidden_size, config.vocab_size, args.num_heads, args.num_layers, args.shared_lm_head, args.topk)
+    training = train.training_bytes(heads, windows, args.seq_len, batch, model.dtype)
+    encoding = forward_bytes(config, train.ENCODE_BATCH, args.seq_len, model.dtype)
+    work = {"training step, evaluation or encoding": max(training.pop("training step or evaluation"), encoding)}
+    return [Need(f"the driver's training (--batch-size {batch})", model.mapped, runtime | model.own() | training | work),
+            model.engine_need("the driver's accept-length engine", runtime | {"heads": training["heads"]},
+                              tree_rows=tree_rows(args), **accept_settings(args.prompt_len))]
+
+
+def drift_need(args, model):
+    """What the drift scoring holds: score_medusa's three engines on one model."""
+    from pipelines.evaluate import drift_engine_settings
+    from sala.footprint import RUNTIME_BYTES
+
+    return model.engine_need("the drift scoring (three engines on one model)", {"runtime": RUNTIME_BYTES}, engines=3,
+                             tree_rows=tree_rows(args), compile=False, **drift_engine_settings())
+
+
+def tree_rows(args) -> int:
+    """The most tokens a request's verify step checks: the root and every path of the tree."""
+    from sala.medusa.tree import MC_SIM_7B_63
+
+    return 1 + (len(MC_SIM_7B_63) if args.tree else args.tree_nodes)
+
+
+def plan_memory(args, model_path: Path, windows: int):
+    """Print what each distillation actor, the driver's training and its drift scoring need, from
+    the shards' headers, the config and the settings; refuse (MemoryShortfall) what the hosts
+    cannot hold. Returns the actors' Need (None when there are none or they run on GPUs)."""
+    from pipelines.capacity import check_driver, check_workers, ray_nodes
+    from sala.footprint import CheckpointFootprint, gib, host_memory
+
+    model = CheckpointFootprint(model_path)
+    print(f"memory: model {model.describe()}", flush=True)
+    actor = None if args.given_text else actor_need(args, model)
+    if actor and args.num_gpus:
+        print(f"memory: each {actor.describe()}, the model on the GPU: host memory not checked", flush=True)
+    elif actor:
+        print(f"memory: each {actor.describe()}", flush=True)
+        for line in check_workers(actor, args.replicas, ray_nodes(),
+                                  lambda n: f"--replicas {n} would fit, or --given-text (no distillation)"):
+            print(f"memory: distillation actors, {line}", flush=True)
+    phases = driver_needs(args, model, windows, args.batch_size)
+    for need in phases:
+        print(f"memory: {need.describe()}", flush=True)
+    fits = next((b for b in range(args.batch_size - 1, 0, -1)
+                 if max(n.total for n in driver_needs(args, model, windows, b)) <= host_memory()), None)
+    least = max(n.total for n in driver_needs(args, model, windows, 1))
+    for need in phases:
+        check_driver(need, f"--batch-size {fits} would fit" if fits else f"even --batch-size 1 needs {gib(least)}: run on a "
+                     "host with more memory")
+    if args.eval_prompts:
+        drift = drift_need(args, model)
+        print(f"memory: {drift.describe()}", flush=True)
+        check_driver(drift, "--eval-prompts 0 skips it")
+    return None if args.num_gpus else actor
 
 
 def read_rows(spec: str | None, column: str | None, tokenizer):
@@ -142,11 +248,12 @@ def plot_accuracy(history: list[dict], num_heads: int, path: Path) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pipelines.evaluate import LosslessError
-    from pipelines.raycluster import RayUnavailable, init_ray
+    from pipelines.raycluster import RayUnavailable
     from registry.models import ModelSpecError, resolve_model_path
     from registry.tracking import TrackingError, setup_mlflow
     from sala.checkpoint import CheckpointError, DeviceUnavailable, gpu_device
     from sala.eval.calibration import DatasetError
+    from sala.footprint import MemoryShortfall
     from sala.tiny import sala_home
 
     try:
@@ -156,15 +263,64 @@ def main(argv=None) -> int:
         if output.exists() and not args.overwrite:
             raise DatasetError(f"{output} exists; pass --overwrite to replace it")
         setup_mlflow(args.experiment)
-        init_ray()
         return run(args, model_path, output)
     except DeviceUnavailable as e:
         return fail(f"--num-gpus: {e}")
-    except (DatasetError, ModelSpecError, TrackingError, RayUnavailable, CheckpointError, ValueError) as e:
+    except (DatasetError, ModelSpecError, TrackingError, RayUnavailable, CheckpointError, ValueError, MemoryShortfall) as e:
         return fail(str(e))
     except LosslessError as e:  # the checkpoint is written; the engine serving it is what is wrong
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+@dataclass
+class Trained:
+    """What the driver's work on the backbone leaves: the heads (their tree chosen), the training
+    log, the effective training windows, validation before and after, accept length."""
+
+    heads: object
+    history: list[dict]
+    effective: float
+    val_before: dict
+    val: dict
+    accept: float
+
+
+def train_on_backbone(args, model_path: Path, tok, seqs, val_seqs, val_prompts, state_dir: Path | None,
+                      on_step=None) -> Trained:
+    """The driver's part on the frozen backbone, which it loads once (in the checkpoint's dtype)
+    and frees on return: the windows encoded, the heads trained and evaluated, the tree chosen,
+    and accept length measured by an engine on that same model."""
+    from sala.checkpoint import load_model
+    from sala.engine import Engine
+    from sala.medusa import train
+    from sala.medusa.heads import MedusaConfig, MedusaHeads
+    from sala.medusa.tree import MC_SIM_7B_63, top_paths
+
+    model = load_model(model_path)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    print(f"encoding {len(seqs)} training and {len(val_seqs)} validation windows through the frozen backbone", flush=True)
+    encoded, val_encoded = train.encode(model, seqs, pad), train.encode(model, val_seqs, pad)
+    weights = train.row_weights(seqs, val_seqs, args.weighting)
+    effective = train.effective_rows(weights, len(seqs))
+    print(f"{args.weighting} weighting: an effective {effective:.0f} of {len(seqs)} training windows", flush=True)
+    cfg = train.TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, checkpoint_every=args.checkpoint_every)
+    heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, args.num_heads, args.num_layers,
+                                     args.shared_lm_head, args.topk), model.lm_head)
+    eval_batch = train.evaluate_batch(args.batch_size)
+    val_before = train.evaluate(heads, model, val_encoded, eval_batch)
+    history = train.train_heads(heads, model, encoded, train.RowSampler(len(seqs), weights, cfg.batch_size, cfg.seed),
+                                cfg, state_dir, on_step)
+    val = train.evaluate(heads, model, val_encoded, eval_batch)
+    heads.config.path_acceptance = val["path_acceptance"]
+    tree = [list(p) for p in MC_SIM_7B_63] if args.tree else top_paths(heads.config.acceptance, args.tree_nodes) or [[0]]
+    heads.config.tree = tree
+    heads.tree = heads.config.build_tree()
+    del encoded, val_encoded  # gone before the engine makes its fused copies and its cache
+    # The engine decodes the model loaded here: its fused projections replace the unfused ones.
+    engine = Engine(model, tok, medusa=heads, medusa_nodes=len(tree), **accept_settings(args.prompt_len))
+    accept = train.accept_length(engine, val_prompts[:ACCEPT_PROMPTS], ACCEPT_TOKENS)
+    return Trained(heads, history, effective, val_before, val, accept)
 
 
 def run(args, model_path: Path, output: Path) -> int:
@@ -173,12 +329,11 @@ def run(args, model_path: Path, output: Path) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from sala.checkpoint import load_model
-    from sala.engine import Engine
+    from pipelines.capacity import ray_memory
+    from pipelines.raycluster import init_ray
     from sala.eval.calibration import Row, guess_task
     from sala.medusa import train
-    from sala.medusa.heads import MedusaConfig, MedusaHeads
-    from sala.medusa.tree import MC_SIM_7B_63, expected_accept_length, top_paths
+    from sala.medusa.tree import expected_accept_length
 
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -198,6 +353,9 @@ def run(args, model_path: Path, output: Path) -> int:
         raise ValueError(f"{'training' if not seqs else 'validation'} rows are all shorter than --prompt-len={data.prompt_len} tokens")
     params = {k: v for k, v in vars(args).items()} | {"model_path": str(model_path), "output": str(output),
                                                       "train_windows": len(seqs), "val_windows": len(val_seqs)}
+    if data.self_distill:
+        init_ray()  # the distillation actors' (training on the given text runs in this process alone)
+    actor = plan_memory(args, model_path, len(seqs) + len(val_seqs))
     with mlflow.start_run(run_name=f"train_medusa-{model_path.name}") as mlflow_run:
         mlflow.log_params(params)
         mlflow.log_dict(report.to_dict(), "train_mix.json")
@@ -205,55 +363,37 @@ def run(args, model_path: Path, output: Path) -> int:
             print(f"self-distilling {len(seqs) + len(val_seqs)} windows on {args.replicas} engine actor(s)", flush=True)
             items = [{"index": i, "prompt": p} for i, p in enumerate(prompts + val_prompts)]
             ds = ray.data.from_items(items).map_batches(
-                DistillStage, fn_constructor_kwargs=dict(model_path=str(model_path), max_tokens=data.seq_len - data.prompt_len,
+                DistillStage, fn_constructor_kwargs=dict(model_path=str(model_path), prompt_len=data.prompt_len,
+                                                         max_tokens=data.seq_len - data.prompt_len,
                                                          temperature=data.temperature, num_gpus=args.num_gpus),
                 batch_size=64, compute=ray.data.ActorPoolStrategy(size=args.replicas), num_gpus=args.num_gpus,
-                max_restarts=0)
+                memory=ray_memory(actor) if actor else None, max_restarts=0)
             cont = {int(r["index"]): list(map(int, r["continuation"])) for r in ds.iter_rows()}
             seqs = train.self_distilled(seqs, [cont[i] for i in range(len(seqs))], data.prompt_len)
             val_seqs = train.self_distilled(val_seqs, [cont[len(seqs) + i] for i in range(len(val_seqs))], data.prompt_len)
-        model = load_model(model_path)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        print(f"encoding {len(seqs)} training and {len(val_seqs)} validation windows through the frozen backbone", flush=True)
-        encoded, val_encoded = train.encode(model, seqs, pad), train.encode(model, val_seqs, pad)
-        weights = train.row_weights(seqs, val_seqs, args.weighting)
-        effective = train.effective_rows(weights, len(seqs))
-        mlflow.log_metric("effective_train_windows", effective)
-        print(f"{args.weighting} weighting: an effective {effective:.0f} of {len(seqs)} training windows", flush=True)
-        cfg = train.TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, checkpoint_every=args.checkpoint_every)
-        heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, args.num_heads, args.num_layers,
-                                         args.shared_lm_head, args.topk), model.lm_head)
         state_dir = output.with_name(f".{output.name}.train-state")
         if (state_dir / "train_state.json").exists():
             print(f"resuming from {state_dir}", flush=True)
-        val_before = train.evaluate(heads, model, val_encoded)
 
         def on_step(step: int, row: dict) -> None:
-            if step % 10 == 0 or step == cfg.steps:
+            if step % 10 == 0 or step == args.steps:
                 mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
-                print(f"step {step}/{cfg.steps}  loss {row['loss']:.3f}  top1 "
+                print(f"step {step}/{args.steps}  loss {row['loss']:.3f}  top1 "
                       + " ".join(f"{row[f'top1_{k}']:.2f}" for k in range(args.num_heads)), flush=True)
 
-        history = train.train_heads(heads, model, encoded, train.RowSampler(len(seqs), weights, cfg.batch_size, cfg.seed),
-                                    cfg, state_dir, on_step)
-        val = train.evaluate(heads, model, val_encoded)
-        heads.config.path_acceptance = val["path_acceptance"]
-        acceptance = heads.config.acceptance
-        tree = [list(p) for p in MC_SIM_7B_63] if args.tree else top_paths(acceptance, args.tree_nodes) or [[0]]
-        heads.config.tree = tree
-        heads.tree = heads.config.build_tree()
-        engine = Engine(load_model(model_path), tok, medusa=heads, medusa_nodes=len(tree), compile=False)
-        accept = train.accept_length(engine, val_prompts[:32], 48)
-        metrics = {"accept_length": accept, "expected_accept_length": expected_accept_length(acceptance, tree),
+        trained = train_on_backbone(args, model_path, tok, seqs, val_seqs, val_prompts, state_dir, on_step)
+        gc.collect()  # the Medusa engine's parts refer to each other: only the cycle collector frees them and the model
+        heads, val_before, val, tree = trained.heads, trained.val_before, trained.val, trained.heads.config.tree
+        metrics = {"accept_length": trained.accept, "expected_accept_length": expected_accept_length(heads.config.acceptance, tree),
                    "tree_nodes": len(tree), "seconds": time.perf_counter() - start,
-                   "effective_train_windows": effective,
+                   "effective_train_windows": trained.effective,
                    **{f"val_loss_{k}": v for k, v in enumerate(val["loss"])},
                    **{f"val_top1_{k}": v for k, v in enumerate(val["top1"])},
                    **{f"val_top5_{k}": v for k, v in enumerate(val["top5"])},
                    **{f"val_loss_before_{k}": v for k, v in enumerate(val_before["loss"])}}
         mlflow.log_metrics(metrics)
         plot = state_dir.parent / f".{output.name}.accuracy.png"
-        plot_accuracy(history, args.num_heads, plot)
+        plot_accuracy(trained.history, args.num_heads, plot)
         mlflow.log_artifact(str(plot), "plots")
         plot.unlink()
         path = train.write_medusa_checkpoint(model_path, heads, output, overwrite=args.overwrite,
@@ -270,7 +410,7 @@ def run(args, model_path: Path, output: Path) -> int:
     print("validation per head: " + "  ".join(f"head {k}: loss {val_before['loss'][k]:.2f} -> {val['loss'][k]:.2f}, "
                                               f"top-1 {val['top1'][k]:.2f}, top-5 {val['top5'][k]:.2f}"
                                               for k in range(args.num_heads)))
-    print(f"accept length {accept:.2f} tokens per verify step on {min(32, len(val_prompts))} validation prompts "
+    print(f"accept length {trained.accept:.2f} tokens per verify step on {min(ACCEPT_PROMPTS, len(val_prompts))} validation prompts "
           f"(tree of {len(tree)} nodes)")
     if drift:
         print(f"decode drift vs plain greedy: greedy Medusa {drift['medusa_greedy_drift_identical_share']:.0%} of prompts "

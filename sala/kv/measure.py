@@ -6,7 +6,10 @@ FP8 scales and NVFP4 global scales are built from, sala/kv/formats.py).
 `plan_logprobs`: the model's next-token log-probabilities over a cache stored as a plan says,
 in the shape serving uses it: each window's first `prefix` tokens are prefilled, then the rest
 are fed one decode step at a time (teacher-forced), so quantized K/V are what later tokens
-attend to and a bf16 state is rounded after every token, as in the engine.
+attend to and a bf16 state is rounded after every token, as in the engine. They come a batch of
+windows at a time and are reduced to what is kept before the next batch, so a measurement holds
+one batch's [BATCH, T - prefix, V] fp32 log-probs whatever the number of windows
+(`measure_bytes`: at the 9B's 73,448 ids and 65 positions, 0.43 GiB).
 
 The damage is scored by sala.eval.logprob, the same metrics the logprob evaluation reports for
 any model or server: `reference_baseline` keeps the unquantized cache's top-256 at every
@@ -16,12 +19,17 @@ adds the perplexity of the tokens that followed.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from sala.eval import logprob as lp
+from sala.footprint import forward_bytes
 from sala.kv.plan import KVPlan, apply_to_model
+
+BATCH = 8  # windows a forward runs at once
 
 
 def amax_observer(seen: dict[int, list[torch.Tensor]], layer: int):
@@ -39,7 +47,7 @@ def amax_table(seen: dict[int, list[torch.Tensor]]) -> dict[int, dict[str, list[
 
 
 @torch.no_grad()
-def calibrate_amax(model, windows: torch.Tensor, batch_size: int = 8) -> dict[int, dict[str, list[float]]]:
+def calibrate_amax(model, windows: torch.Tensor, batch_size: int = BATCH) -> dict[int, dict[str, list[float]]]:
     seen: dict[int, list[torch.Tensor]] = {}
     layers = [(i, layer.self_attn) for i, layer in enumerate(model.model.layers) if not layer.is_lightning]
     saved = [attn.kv_quant for _, attn in layers]
@@ -47,7 +55,7 @@ def calibrate_amax(model, windows: torch.Tensor, batch_size: int = 8) -> dict[in
         for i, attn in layers:
             attn.kv_quant = amax_observer(seen, i)
         for b in range(0, len(windows), batch_size):
-            model(windows[b : b + batch_size], use_cache=False)
+            model(windows[b : b + batch_size], use_cache=False, logits_to_keep=1)  # K/V are observed; logits unused
     finally:
         for (_, attn), s in zip(layers, saved):
             attn.kv_quant = s
@@ -55,19 +63,19 @@ def calibrate_amax(model, windows: torch.Tensor, batch_size: int = 8) -> dict[in
 
 
 @torch.no_grad()
-def plan_logprobs(model, windows: torch.Tensor, plan: KVPlan | None, prefix: int, batch_size: int = 8) -> torch.Tensor:
-    """[N, T - prefix, V] fp32 log-probabilities of tokens prefix .. T-1 of windows [N, T]."""
+def plan_logprobs(model, windows: torch.Tensor, plan: KVPlan | None, prefix: int,
+                  batch_size: int = BATCH) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """For each batch of windows [b, T] (of windows [N, T]): the batch and the [b, T - prefix, V]
+    fp32 log-probabilities of its tokens prefix .. T-1."""
     apply_to_model(model, plan)
     try:
-        out = []
         for b in range(0, len(windows), batch_size):
             w = windows[b : b + batch_size]
             cache = model.new_cache()
             logits = [model(w[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
             for t in range(prefix, w.shape[1] - 1):
                 logits.append(model(w[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-            out.append(F.log_softmax(torch.stack(logits, 1).float(), -1))
-        return torch.cat(out)
+            yield w, F.log_softmax(torch.stack(logits, 1).float(), -1)
     finally:
         apply_to_model(model, None)
 
@@ -78,27 +86,52 @@ def _top(logprobs: torch.Tensor, top_k: int) -> list[lp.TopLogprobs]:
     return [lp.TopLogprobs(i.numpy().astype(np.int32), v.numpy()) for i, v in zip(ids, values)]
 
 
-def _token_logprobs(logprobs: torch.Tensor, windows: torch.Tensor, prefix: int) -> np.ndarray:
-    return logprobs.gather(-1, windows[:, prefix:, None])[..., 0].double().numpy()
+def _scored(model, windows: torch.Tensor, plan: KVPlan | None, prefix: int, top_k: int):
+    """What is kept of a plan's log-probabilities: each window's top-k rows, the log-probabilities
+    of the tokens that followed [N, T - prefix] and the vocabulary size."""
+    tops, followed, vocab = [], [], 0
+    for w, logprobs in plan_logprobs(model, windows, plan, prefix):
+        tops += _top(logprobs, top_k)
+        followed.append(logprobs.gather(-1, w[:, prefix:, None])[..., 0].double().numpy())
+        vocab = logprobs.shape[-1]
+    return tops, np.concatenate(followed), vocab
 
 
 def reference_baseline(model, windows: torch.Tensor, prefix: int, top_k: int = lp.TOP_K,
                        name: str = "unquantized cache") -> lp.Baseline:
     """The unquantized cache's predictions of tokens prefix .. T-1 of windows [N, T] as a logprob
     Baseline: window i is sequence i, scored from token `prefix`; meta["ppl"] its perplexity."""
-    full = plan_logprobs(model, windows, None, prefix)
-    tops = _top(full, top_k)
+    tops, followed, vocab = _scored(model, windows, None, prefix, top_k)
     n, length = windows.shape
     return lp.Baseline([w.numpy().astype(np.int32) for w in windows], np.full(n, prefix), np.full(n, prefix),
                        np.concatenate([t.ids for t in tops]), np.concatenate([t.logprobs for t in tops]),
-                       {"model": name, "vocab_size": full.shape[-1], "top_k": tops[0].ids.shape[1],
-                        "positions": length - prefix, "ppl": lp.perplexity(_token_logprobs(full, windows, prefix))})
+                       {"model": name, "vocab_size": vocab, "top_k": tops[0].ids.shape[1],
+                        "positions": length - prefix, "ppl": lp.perplexity(followed)})
 
 
 def measure_plan(model, windows: torch.Tensor, plan: KVPlan, reference: lp.Baseline, prefix: int) -> dict[str, float]:
     """A plan's damage against `reference` (reference_baseline of the same windows): the logprob
     evaluation's summary (kl_mean, flip_rate, cosine_mean, ...), top-1 agreement, perplexity."""
-    full = plan_logprobs(model, windows, plan, prefix)
-    summary = lp.score(reference, _top(full, reference.top_ids.shape[1])).summary()
-    return summary | {"top1_agreement": 1.0 - summary["flip_rate"], "ppl": lp.perplexity(_token_logprobs(full, windows, prefix)),
+    tops, followed, _ = _scored(model, windows, plan, prefix, reference.top_ids.shape[1])
+    summary = lp.score(reference, tops).summary()
+    return summary | {"top1_agreement": 1.0 - summary["flip_rate"], "ppl": lp.perplexity(followed),
                       "ppl_reference": reference.meta["ppl"]}
+
+
+# ------------------------------------------------------------------------------ memory
+def measure_bytes(config, windows: int, length: int, prefix: int, dtype: torch.dtype) -> dict[str, int]:
+    """What reference_baseline or measure_plan holds at its peak over `windows` windows of
+    `length` tokens, by part: a batch's log-probs (each step's fp32 logits, then stacked, then
+    their log-softmax: 12 bytes a vocabulary entry of each position), its cache (an fp32 state
+    per lightning layer, fp32 K/V per sparse layer at most), the prefill's activations, and the
+    top-k rows kept of every window (int32 ids and fp32 log-probs)."""
+    rows, positions = min(windows, BATCH), length - prefix
+    state = len(config.lightning_layers) * config.lightning_nh * config.lightning_head_dim**2 * 4
+    kv = len(config.sparse_layers) * 2 * config.num_key_value_heads * config.head_dim * 4 * length
+    return {"log-probs": rows * positions * config.vocab_size * 12, "cache": rows * (state + kv),
+            "activations": forward_bytes(config, rows, prefix, dtype), "top-k rows": windows * positions * lp.TOP_K * 8}
+
+
+def calibrate_bytes(config, windows: int, length: int, dtype: torch.dtype) -> dict[str, int]:
+    """What calibrate_amax holds at its peak: a batch's forward of `length` tokens (logits of the last token only)."""
+    return {"activations": forward_bytes(config, min(windows, BATCH), length, dtype)}

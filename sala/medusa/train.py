@@ -16,10 +16,18 @@ windows the heads will be judged on instead of whatever the source happens to ho
 too thin to stand for its share falls back to task type alone (matched_weights).
 
 The backbone is frozen, so it runs once per row under no_grad (`encode`) and its hidden states
-are kept (rows x seq_len x hidden fp32: 40 MB for tiny-sala's 600 windows, so a large model
-trains on shards of rows at a time); only the heads (and, unless shared, their vocabulary
-projections) get gradients. State (heads, optimizer, step, sampler position) is
-saved as safetensors + JSON every `checkpoint_every` steps, so a run resumes where it stopped.
+are kept in its dtype (rows x seq_len x hidden: 40 MB for tiny-sala's 600 windows in fp32, 0.9 GB
+for 854 windows at the 9B's width in bf16; the heads read them in fp32); only the heads (and,
+unless shared, their vocabulary projections) get gradients. State (heads, optimizer, step,
+sampler position) is saved as safetensors + JSON every `checkpoint_every` steps, so a run
+resumes where it stopped.
+
+Memory (`training_bytes`): besides the backbone, the heads with their gradients and AdamW's
+moments (fp32), the encoded windows, and the larger of a training step and an evaluation batch,
+which hold all K heads' logits over the vocabulary: at the 9B's 73,448 ids, 128-token windows
+and 4 heads, 0.38 GiB a row in a training step (the logits, the log-softmax kept for backward,
+the gradients) and 0.28 GiB a row when evaluating, which takes twice the training batch's rows
+(at most 32).
 """
 from __future__ import annotations
 
@@ -36,8 +44,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from sala.eval.calibration import Row
-from sala.medusa.heads import MedusaHeads
+from sala.medusa.heads import MedusaConfig, MedusaHeads
 from sala.medusa.tree import by_acceptance
+
+ENCODE_BATCH = 32  # windows the backbone encodes at once
+EVAL_BATCH = 32  # windows an evaluation batch takes at most
 
 
 @dataclass
@@ -145,7 +156,8 @@ def batch_tensors(seqs: list[Sequence], pad_id: int) -> tuple[torch.Tensor, torc
 
 @dataclass
 class Encoded:
-    """Rows through the frozen backbone: ids and mask [N, S], the heads' input hidden [N, S, d]."""
+    """Rows through the frozen backbone: ids and mask [N, S], the heads' input hidden [N, S, d]
+    in the backbone's dtype."""
 
     ids: torch.Tensor
     mask: torch.Tensor
@@ -156,10 +168,15 @@ class Encoded:
 
 
 @torch.no_grad()
-def encode(model, seqs: list[Sequence], pad_id: int, batch_size: int = 32) -> Encoded:
+def encode(model, seqs: list[Sequence], pad_id: int, batch_size: int = ENCODE_BATCH) -> Encoded:
     ids, mask = batch_tensors(seqs, pad_id)
-    hidden = torch.cat([backbone_hidden(model, ids[i : i + batch_size]) for i in range(0, len(seqs), batch_size)])
-    return Encoded(ids, mask, hidden.float())
+    hidden = None  # filled a batch at a time: never the batches and their concatenation at once
+    for i in range(0, len(seqs), batch_size):
+        h = backbone_hidden(model, ids[i : i + batch_size])
+        if hidden is None:
+            hidden = h.new_empty(len(seqs), *h.shape[1:])
+        hidden[i : i + len(h)] = h
+    return Encoded(ids, mask, hidden)
 
 
 class RowSampler:
@@ -200,7 +217,7 @@ def head_losses(heads: MedusaHeads, model, hidden: torch.Tensor, ids: torch.Tens
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, model, data: Encoded, batch_size: int = 32) -> dict:
+def evaluate(heads: MedusaHeads, model, data: Encoded, batch_size: int = EVAL_BATCH) -> dict:
     """Per-head loss, top-1 and top-5 accuracy, and path acceptance on `data`: for each path
     (ranks of heads 0, 1, ...) the share of positions where a greedy verify would keep it, i.e.
     where every head's token of that rank is the text's, counted at the positions every head has
@@ -232,10 +249,18 @@ def evaluate(heads: MedusaHeads, model, data: Encoded, batch_size: int = 32) -> 
                 if row[depth] == topk:
                     break
                 paths[tuple(row[: depth + 1])] += 1
+        del logits, lg, top, hit  # else held while the next batch's logits are made: two batches' at once
     c = count.clamp(min=1)
     acceptance = {p: n / max(positions, 1) for p, n in paths.items()}
     return {"loss": (sums[0] / c).tolist(), "top1": (sums[1] / c).tolist(), "top5": (sums[2] / c).tolist(),
             "path_acceptance": [[p, acceptance[tuple(p)]] for p in by_acceptance(acceptance, acceptance)]}
+
+
+def evaluate_batch(train_batch: int) -> int:
+    """Rows an evaluation batch takes when training takes `train_batch`: twice as many, at most
+    EVAL_BATCH (32 at the default 16), since with no backward a row holds 70% of what it does in
+    a training step (training_bytes)."""
+    return min(EVAL_BATCH, 2 * train_batch)
 
 
 # ------------------------------------------------------------------------------ training
@@ -312,6 +337,32 @@ def load_train_state(directory: Path, heads: MedusaHeads, opt, sampler: RowSampl
             opt.state[p] = state
     sampler.drawn = meta["sampler_drawn"]
     return meta["step"], meta["history"]
+
+
+# ------------------------------------------------------------------------------ memory
+def training_bytes(config: MedusaConfig, windows: int, seq_len: int, batch: int, dtype: torch.dtype) -> dict[str, int]:
+    """What training heads of `config` on `windows` windows of `seq_len` tokens in batches of
+    `batch` holds besides the backbone, by part (the backbone's hidden in `dtype`):
+
+    - heads: their fp32 parameters and gradients; optimizer: AdamW's two moments;
+    - encoded windows: ids (int64), mask and hidden;
+    - the larger of a training step and an evaluation batch (evaluate_batch rows), over their
+      rows' positions. A training step: the K heads' fp32 logits [K, B, S, V], each head's
+      log-softmax kept for backward and the gradients backward sums, 10 bytes an entry as
+      measured at the 9B's width (K = 4), and one more gradient of the heads while it is added
+      to theirs (AdamW's step, after the logits are gone, holds as much). An evaluation batch:
+      the logits in the projection's dtype and in fp32 at once (a shared lm_head projects in the
+      backbone's), or the fp32 ones and one head's scratch copies (its valid rows, their
+      log-softmax, the top-k input). Either also holds each block's fp32 activations, four of
+      [K, B, S, d] a layer."""
+    k, d, v = config.num_heads, config.hidden_size, config.vocab_size
+    params = 4 * (k * config.num_layers * (d * d + d) + (0 if config.shared_lm_head else k * v * d))
+    projected = dtype.itemsize if config.shared_lm_head else 0
+    blocks = 4 * k * config.num_layers * d * 4
+    step = batch * seq_len * (v * 10 * k + blocks) + params
+    evaluation = evaluate_batch(batch) * seq_len * (v * max((4 + projected) * k, 4 * k + 12) + blocks)
+    return {"heads": 2 * params, "optimizer": 2 * params, "encoded windows": windows * seq_len * (9 + d * dtype.itemsize),
+            "training step or evaluation": max(step, evaluation)}
 
 
 # ------------------------------------------------------------------------------ accept length

@@ -1,6 +1,7 @@
 """Medusa training: every head's validation loss falls, trained heads are accepted more often
-than untrained ones, a resumed run equals an uninterrupted one, and validation-matched weights
-give the validation set's mix."""
+than untrained ones, a resumed run equals an uninterrupted one, validation-matched weights give
+the validation set's mix, and the pipeline's processes hold what they say they need in memory
+(refused on a smaller host, measured on the real-width model)."""
 import copy
 import subprocess
 import sys
@@ -138,3 +139,78 @@ def test_cli_refuses_bad_arguments_in_one_line():
     run = subprocess.run([sys.executable, str(ROOT / "pipelines/train_medusa.py"), "--seq-len", "8"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--seq-len must exceed --prompt-len" in run.stderr
+
+
+def test_memory_refusals_name_a_setting_that_fits(tiny_sala_dir, tmp_path, monkeypatch, capsys):
+    """Before anything loads, the driver says what its training needs; a host that cannot hold it
+    (SALA_HOST_MEMORY_GIB stands for a smaller one) is refused naming the largest --batch-size that
+    fits, and through the command line with a one-line error and exit 2, nothing written."""
+    import os
+
+    from pipelines.train_medusa import driver_needs, parse_args, plan_memory
+    from sala.footprint import GIB, CheckpointFootprint, MemoryShortfall
+
+    model = CheckpointFootprint(tiny_sala_dir)
+    args = parse_args(["--given-text", "--eval-prompts", "0", "--batch-size", "16"])
+    fits, larger, asked = (max(need.total for need in driver_needs(args, model, 100, b)) for b in (4, 5, 16))
+    assert fits < larger < asked
+    monkeypatch.setenv("SALA_HOST_MEMORY_GIB", str(fits / GIB))
+    with pytest.raises(MemoryShortfall, match=r"^the driver's training \(--batch-size 16\) needs .*; --batch-size 4 would fit$"):
+        plan_memory(args, tiny_sala_dir, 100)
+    assert "memory: the driver's training (--batch-size 16)" in capsys.readouterr().out
+    env = {**os.environ, "SALA_HOST_MEMORY_GIB": "0.01", "SALA_HOME": str(tmp_path / "home"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    run = subprocess.run([sys.executable, str(ROOT / "pipelines/train_medusa.py"), "--model", str(tiny_sala_dir), "--given-text",
+                          "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, env=env)
+    (error,) = [line for line in run.stderr.splitlines() if line.startswith("error:")]  # MLflow logs around it
+    assert run.returncode == 2 and error.startswith("error: the driver's training") and "run on a host" in error, run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# A distillation actor's part, then the driver's, in one process, as a local run does them in turn.
+STAGES = """
+import sys
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from pipelines.train_medusa import DistillStage, parse_args, train_on_backbone
+from sala.eval.calibration import Row
+from sala.medusa import train
+
+args = parse_args(sys.argv[2:])
+tok = AutoTokenizer.from_pretrained(args.model)
+rows = [Row(t, "prose") for t in Path(sys.argv[1]).read_text().split("\\n\\n") if len(t) > 400][:2]
+seqs, prompts = train.windows(rows, tok, args.prompt_len, args.seq_len, args.windows_per_row)
+stage = DistillStage(args.model, args.prompt_len, args.seq_len - args.prompt_len, 0.0, 0)
+seqs = train.self_distilled(seqs, stage({"index": list(range(len(prompts))), "prompt": prompts})["continuation"], args.prompt_len)
+del stage
+train_on_backbone(args, Path(args.model), tok, seqs, seqs, prompts, None)
+"""
+
+
+def test_an_actor_and_the_driver_hold_what_they_say(tiny_sala_dir):
+    """On the real-width model (1 layer, BF16, 1.6 GiB): a distillation actor's engine continues 2
+    prompts, then the driver's part (encode, a training step, evaluation, accept length with an
+    engine on its model), in one process. memwatch counts a process's own (anonymous) memory, not
+    the checkpoint's pages that loading maps: the peak stays within the larger stated own need
+    plus 30% of the model (a model held in fp32, or a second engine's copies, go past it) and is
+    not far below it."""
+    from bench.memwatch import run_measured
+    from pipelines.train_medusa import actor_need, driver_needs, parse_args
+    from sala.footprint import CheckpointFootprint
+    from sala.realwidth import ensure_realwidth
+
+    path = ensure_realwidth(1)
+    # 128-token windows: a head's logits are over 32 MiB, tensors glibc maps and gives back once freed, as
+    # at the 9B's batch sizes (smaller ones stay in its heap, and the peak would count every phase's).
+    flags = ["--model", str(path), "--prompt-len", "16", "--seq-len", "128", "--windows-per-row", "1", "--steps", "1",
+             "--batch-size", "1", "--tree-nodes", "4", "--weighting", "uniform"]
+    model, args = CheckpointFootprint(path), parse_args(flags)
+    own = max(need.own_bytes for need in [actor_need(args, model), *driver_needs(args, model, 4, args.batch_size)])
+    result, peak = run_measured([sys.executable, "-c", STAGES, str(tiny_sala_dir / "heldout.txt"), *flags], cwd=ROOT,
+                                timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(f"peak {peak.peak_tree_bytes / 2**30:.2f} GiB own, stated {own / 2**30:.2f} GiB + the model's "
+          f"{model.mapped / 2**30:.2f} GiB mapped")
+    assert 0.5 * own < peak.peak_tree_bytes <= own + 0.3 * model.mapped
