@@ -97,7 +97,7 @@ class LayerWorker:
 
     def whoami(self) -> tuple[int, str]:
         """(process id, Ray node id): the actor's first call, once it has checked that its device
-        can hold its work (WontFit otherwise: a clear refusal, not an out-of-memory error an hour in)."""
+        can hold its work (MemoryShortfall otherwise: a clear refusal, not an out-of-memory error an hour in)."""
         import ray
 
         from sala.quant.memory import check_device
@@ -180,17 +180,13 @@ class LayerPool:
     def __init__(self, model_dir, seqs: torch.Tensor, shards: int, workers: int, gpus: float, need):
         import ray
 
-        from sala.quant.memory import WontFit, size
+        from pipelines.capacity import ray_memory
 
         chunks = [c for c in torch.tensor_split(seqs, min(shards, len(seqs))) if len(c)]
-        # Ray places no more workers on a node than its memory resource holds.
-        host = need.worker_host(bool(gpus))
-        largest = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
-        if host > largest:
-            raise WontFit(f"a quantize worker needs {size(host)} of host memory and the largest node offers {size(largest)} "
-                          "(its Ray memory resource); raise --shards or lower --num-samples / --seq-len")
         self.need = need
-        self.actor = ray.remote(LayerWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, memory=host, max_restarts=0,
+        # Ray places no more workers on a node than its memory resource holds.
+        self.actor = ray.remote(LayerWorker).options(num_cpus=1, num_gpus=1 if gpus else 0,
+                                                     memory=ray_memory(need.worker(bool(gpus))), max_restarts=0,
                                                      max_task_retries=0, scheduling_strategy="SPREAD")
         self.model_dir = str(model_dir)
         self.shards = len(chunks)
@@ -221,7 +217,7 @@ class LayerPool:
         """Those of `refs` (whoami calls of starting actors, all ready) join the pool; returns those that did."""
         import ray
 
-        from sala.quant.memory import WontFit
+        from sala.footprint import MemoryShortfall
 
         joined = []
         for ref in refs:
@@ -229,7 +225,7 @@ class LayerPool:
             try:
                 self.pid[a], self.node[a] = ray.get(ref)
             except Exception as e:
-                if isinstance(getattr(e, "cause", None), WontFit):
+                if isinstance(getattr(e, "cause", None), MemoryShortfall):
                     raise e.cause from None
                 if not _lost(e):
                     raise RuntimeError(f"a quantize worker failed to start: {e}") from e

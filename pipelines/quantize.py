@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:  # `python pipelines/quantize.py` from a checkout 
 
 import torch  # noqa: E402
 
+from pipelines.capacity import check_driver, check_workers, ray_nodes  # noqa: E402
 from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.generate import PROMPT_COLUMN  # noqa: E402
 from pipelines.layer_pool import RESULTS_FORMAT, Job, LayerPool, results_from_bytes, results_to_bytes  # noqa: E402
@@ -39,9 +40,10 @@ from registry.models import ModelSpecError, model_name, register_checkpoint, res
 from registry.tracking import TrackingError, check_reachable, interrupt_deferred, setup_mlflow, tracking_uri  # noqa: E402
 from sala.checkpoint import CheckpointError, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
+from sala.footprint import MemoryShortfall  # noqa: E402
 from sala.kv import PLAN_FILE, KVPlanError, load_plan  # noqa: E402
 from sala.quant.export import MAX_SHARD_BYTES  # noqa: E402
-from sala.quant.memory import QuantizeMemory, WontFit, available_host_bytes, check_host, quantize_memory  # noqa: E402
+from sala.quant.memory import QuantizeMemory, quantize_memory  # noqa: E402
 from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 
 # The registry gate: pipelines/evaluate.py's logprob comparison of the written checkpoint against
@@ -334,7 +336,7 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except (ModelSpecError, CheckpointError, cal.DatasetError, TrackingError, RayUnavailable, FileExistsError,
-            KVPlanError, WontFit) as e:
+            KVPlanError, MemoryShortfall) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
@@ -383,15 +385,15 @@ def run(args) -> int:
     print(f"calibration source mix:\n{report.table()}")
     print(f"calibration set: {len(seqs)} sequences x {args.seq_len} tokens, target mix {mix or 'source mix'}")
 
+    resources = init_ray(num_cpus=args.workers)
+    workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
     # What the run needs, said and checked before anything of the model is loaded.
     need = quantize_memory(config, len(seqs), args.seq_len, args.shards, args.method, MAX_SHARD_BYTES,
                            args.gate_prompts * GATE_PROMPT_TOKENS + args.eval_sequences * args.seq_len)
-    if not os.environ.get("RAY_ADDRESS"):  # this machine hosts the driver and every worker
-        gpus = torch.cuda.device_count()
-        check_host(need, args.workers or gpus or os.cpu_count() or 1, gpus > 0, available_host_bytes())
-    resources = init_ray(num_cpus=args.workers)
-    workers = args.workers or int(resources.get("GPU") or resources.get("CPU", 1))
-    print(need.describe(workers, resources.get("GPU", 0) > 0), flush=True)
+    on_gpu = resources.get("GPU", 0) > 0
+    print(need.describe(on_gpu), flush=True)
+    check_driver(need.driver(), "lower --gate-prompts / --eval-sequences, or run the driver on a host with more memory")
+    check_workers(need.worker(on_gpu), workers, ray_nodes(), lambda n: f"pass --workers {n}")
     setup_mlflow(args.experiment)
     store = LayerStore(output.with_name(f".{output.name}.layers"), fingerprint(args, model_dir, seqs))
     register_name = args.register_name or f"{name}-nvfp4"

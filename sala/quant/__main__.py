@@ -24,10 +24,10 @@ import torch
 from sala.checkpoint import CheckpointError, ShardedTensors, load_model, read_config
 from sala.eval import calibration as cal
 from sala.eval.compare import compare_models, window_sequences
+from sala.footprint import MemoryShortfall, gib, host_memory
 from sala.model import SALAForCausalLM
 from sala.quant.export import export_checkpoint
 from sala.quant.layerwise import ModuleStats, quantize_model, quantized_module_names
-from sala.quant.memory import WontFit, available_host_bytes, size
 from sala.quant.nvfp4 import GROUP_SIZE
 from sala.tiny import ensure_tiny_sala, split_corpus, token_stream
 
@@ -111,10 +111,10 @@ def run(args) -> int:
     # export reads): fine for tiny-sala, too much for the 9B, which pipelines/quantize.py streams.
     tensors = ShardedTensors(model_dir, verify=False)
     need = 2 * 4 * sum(math.prod(tensors.shape(name)) for name in tensors.names())
-    if need > available_host_bytes():
-        raise WontFit(f"{model_dir}: this command holds the model twice in fp32, {size(need)}, and {size(available_host_bytes())} "
-                      "is available; pipelines/quantize.py quantizes it one layer at a time")
-    print(f"memory      {size(need)}: the model twice in fp32\n")
+    if need > host_memory():
+        raise MemoryShortfall(f"{model_dir}: this command holds the model twice in fp32, {gib(need)}, and this host has "
+                              f"{gib(host_memory())} available; pipelines/quantize.py quantizes it one layer at a time")
+    print(f"memory      {gib(need)}: the model twice in fp32\n")
     model = load_model(model_dir, dtype=torch.float32)
     reference = copy.deepcopy(model)
     t0 = time.time()
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (ValueError, FileExistsError, WontFit) as e:  # CheckpointError, DatasetError, degenerate Hessians
+    except (ValueError, FileExistsError, MemoryShortfall) as e:  # CheckpointError, DatasetError, degenerate Hessians
         print(f"error: {e}", file=sys.stderr)
         return 2
 

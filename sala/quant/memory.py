@@ -1,6 +1,6 @@
 """What quantizing a checkpoint needs in memory, from its config and the run's settings alone:
-what pipelines/quantize.py prints before it loads anything, and what its workers check against
-their device before they start.
+what pipelines/quantize.py prints and checks (pipelines/capacity.py) before it loads anything,
+and what a GPU worker checks against its device before it starts.
 
 A worker holds no more of the model than one decoder layer (sala/checkpoint.py reads it from the
 shards), so nothing here grows with the number of layers:
@@ -13,7 +13,7 @@ shards), so nothing here grows with the number of layers:
 - RTN: a few fp32 copies of the largest weight.
 The driver holds one shard of the output while writing it and, for the gate, one layer in fp32
 beside its BF16 copy, every gate sequence's hidden states, and a chunk of lm_head and logits.
-Figures are upper estimates of tensors; each Python process adds its runtime (RUNTIME_BYTES).
+Figures are upper estimates of tensors; each process adds its runtime (sala.footprint.RUNTIME_BYTES).
 """
 from __future__ import annotations
 
@@ -21,16 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from sala.footprint import RUNTIME_BYTES, MemoryShortfall, Need, gib
 from sala.quant.layerwise import layer_groups
 
 FP32 = 4
-RUNTIME_BYTES = 600 << 20  # an interpreter with torch and Ray imported, before any tensor
-GIB = 1 << 30
-
-
-def size(n: int) -> str:
-    """A byte count as people read it."""
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,39 +35,39 @@ class QuantizeMemory:
     hidden_states: int  # every calibration shard's hidden states (host)
     gptq: int  # GPTQ of the widest Linear, besides the Hessians
     rtn: int  # RTN of the largest Linear
-    driver: int  # the driver's largest stage (writing a shard, or the gate)
+    driver_work: int  # the driver's largest stage (writing a shard, or the gate)
 
     @property
     def worker_device(self) -> int:
         """What a worker's device holds at its peak (a CPU worker's device is host memory)."""
-        summing = self.layer + 2 * self.hessians + self.activations
-        return max(summing, self.hessians + self.gptq, self.rtn)
+        if not self.layer:  # RTN reads no inputs: no layer, no Hessians
+            return self.rtn
+        return max(self.layer + 2 * self.hessians + self.activations, self.hessians + self.gptq)
 
-    def worker_host(self, on_gpu: bool) -> int:
-        return RUNTIME_BYTES + self.hidden_states + (0 if on_gpu else self.worker_device)
+    def worker(self, on_gpu: bool) -> Need:
+        """A worker's host memory: on a GPU its hidden states and runtime, on a CPU its work too."""
+        work = {} if on_gpu else {"its peak (Hessians summed, or GPTQ)" if self.layer else "RTN": self.worker_device}
+        hidden = {"calibration hidden states": self.hidden_states} if self.hidden_states else {}
+        return Need("quantize worker", 0, work | hidden | {"runtime": RUNTIME_BYTES})
 
-    @property
-    def driver_host(self) -> int:
-        return RUNTIME_BYTES + self.driver
+    def driver(self) -> Need:
+        return Need("quantize driver", 0, {"writing a shard, or the gate": self.driver_work, "runtime": RUNTIME_BYTES})
 
-    def describe(self, workers: int, on_gpu: bool) -> str:
+    def describe(self, on_gpu: bool) -> str:
         if self.layer:
-            work = (f"a layer in fp32 {size(self.layer)}, its Hessians {size(self.hessians)} (twice while summed), a calibration "
-                    f"shard's activations {size(self.activations)}; GPTQ of the widest Linear {size(self.gptq)} beside the Hessians")
+            work = (f"a layer in fp32 {gib(self.layer)}, its Hessians {gib(self.hessians)} twice while summed, a calibration "
+                    f"shard's activations {gib(self.activations)}; then GPTQ of the widest Linear, {gib(self.gptq)} beside the "
+                    "Hessians")
         else:
-            work = f"RTN of the largest Linear {size(self.rtn)}"
-        hidden = f"calibration hidden states {size(self.hidden_states)}; " if self.hidden_states else ""
+            work = f"RTN of the largest Linear {gib(self.rtn)}"
+        hidden = f"calibration hidden states {gib(self.hidden_states)}, " if self.hidden_states else ""
+        worker = self.worker(on_gpu).total
         if on_gpu:
-            worker = (f"{size(self.worker_device)} of GPU memory ({work}) and {size(self.worker_host(True))} of host memory "
-                      f"({hidden}its runtime)")
+            worker_text = f"{gib(self.worker_device)} of GPU memory ({work}) and {gib(worker)} of host memory ({hidden}runtime)"
         else:
-            worker = f"{size(self.worker_host(False))} of host memory ({work}; {hidden}its runtime)"
-        return (f"memory     a worker needs {worker}; the driver {size(self.driver_host)}; {workers} worker(s) and the driver "
-                f"on one host: {size(self.node_host(workers, on_gpu))}")
-
-    def node_host(self, workers: int, on_gpu: bool) -> int:
-        """Host memory of the driver and `workers` workers on one node."""
-        return self.driver_host + workers * self.worker_host(on_gpu)
+            worker_text = f"{gib(worker)} of host memory (at its peak {gib(self.worker_device)}: {work}; {hidden}runtime)"
+        return (f"memory     a worker needs {worker_text}; the driver {gib(self.driver().total)} (writing a shard of the "
+                f"output, or the gate: {gib(self.driver_work)}; runtime)")
 
 
 def quantize_memory(config, sequences: int, seq_len: int, shards: int, method: str, max_shard_bytes: int,
@@ -87,62 +81,36 @@ def quantize_memory(config, sequences: int, seq_len: int, shards: int, method: s
         model = SALAForCausalLM(config)
     layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers) * FP32
     hessians = gptq = rtn = 0
-    for layer_module in model.model.layers:
+    quantized = set()
+    for i, layer_module in enumerate(model.model.layers):
         named = dict(layer_module.named_modules())
-        sites = {site: named[groups[0][0]].in_features for site, groups in layer_groups(layer_module).items()}
-        hessians = max(hessians, sum(k * k for k in sites.values()) * FP32)
-        for groups in layer_groups(layer_module).values():
-            for m in (m for g in groups for m in g):
-                n, k = named[m].out_features, named[m].in_features
-                # the factor and its inverse, the weight, its working copy and the dequantized result
-                gptq = max(gptq, (2 * k * k + 3 * n * k) * FP32)
-                rtn = max(rtn, 6 * n * k * FP32)  # the weight, its groups' scaled copies and codes
-    quantized = {f"model.layers.{i}.{m}" for i, layer_module in enumerate(model.model.layers)
-                 for groups in layer_groups(layer_module).values() for g in groups for m in g}
+        groups = layer_groups(layer_module)
+        hessians = max(hessians, sum(named[g[0][0]].in_features ** 2 for g in groups.values()) * FP32)
+        for m in (m for gs in groups.values() for g in gs for m in g):
+            quantized.add(f"model.layers.{i}.{m}")
+            n, k = named[m].out_features, named[m].in_features
+            gptq = max(gptq, (2 * k * k + 3 * n * k) * FP32)  # the factor and its inverse; the weight, its working copy, the result
+            rtn = max(rtn, 6 * n * k * FP32)  # the weight, its groups' scaled copies and codes
     output = sum(p.numel() * (9 / 16 if name.rsplit(".", 1)[0] in quantized else 2) for name, p in model.named_parameters())
     rows = -(-sequences // max(1, min(shards, sequences)))
     widest = max(config.intermediate_size * 3, config.hidden_size * 8)  # gate/up/act of the MLP, or the attention's q/k/v/gate/o
-    activations = rows * seq_len * widest * FP32
-    hidden_states = sequences * seq_len * config.hidden_size * FP32
     gate = layer + layer // 2 + gate_tokens * config.hidden_size * FP32 * 2 + 64 * config.vocab_size * FP32 * 3 \
         + 8192 * config.hidden_size * FP32
-    driver = max(min(max_shard_bytes, int(output)), gate)
+    driver_work = max(min(max_shard_bytes, int(output)), gate)
     if method == "rtn":  # reads no inputs: no layer, no Hessians, no hidden states
-        return QuantizeMemory(layer=0, hessians=0, activations=0, hidden_states=0, gptq=0, rtn=rtn, driver=driver)
-    return QuantizeMemory(layer=layer, hessians=hessians, activations=activations, hidden_states=hidden_states, gptq=gptq,
-                          rtn=rtn, driver=driver)
-
-
-class WontFit(RuntimeError):
-    """A run that cannot fit the memory it would have: the message names what would fit."""
-
-
-def available_host_bytes() -> int:
-    """This machine's MemAvailable (what can be allocated without swapping), from /proc/meminfo."""
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
-
-
-def check_host(need: QuantizeMemory, workers: int, on_gpu: bool, available: int) -> None:
-    """WontFit, naming the --workers that would fit (or what shrinks a worker), when the driver and
-    `workers` workers need more host memory than `available`."""
-    if need.node_host(workers, on_gpu) <= available:
-        return
-    fits = max((w for w in range(1, workers) if need.node_host(w, on_gpu) <= available), default=0)
-    have = f"{workers} worker(s) and the driver need {size(need.node_host(workers, on_gpu))} of host memory, {size(available)} is available"
-    if fits:
-        raise WontFit(f"{have}: pass --workers {fits}")
-    raise WontFit(f"{have}: even one worker does not fit; raise --shards or lower --num-samples / --seq-len (a worker's "
-                  f"calibration activations and hidden states), or run on a machine with more memory")
+        return QuantizeMemory(layer=0, hessians=0, activations=0, hidden_states=0, gptq=0, rtn=rtn, driver_work=driver_work)
+    return QuantizeMemory(layer=layer, hessians=hessians, activations=rows * seq_len * widest * FP32,
+                          hidden_states=sequences * seq_len * config.hidden_size * FP32, gptq=gptq, rtn=rtn,
+                          driver_work=driver_work)
 
 
 def check_device(need: QuantizeMemory, device: torch.device) -> None:
-    """WontFit when a worker's GPU has less free memory than it needs (a CPU worker's host is checked by the driver)."""
+    """MemoryShortfall when a worker's GPU has less free memory than it needs (hosts are checked
+    before the workers start, pipelines/capacity.py)."""
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
     if free < need.worker_device:
-        raise WontFit(f"a quantize worker needs {size(need.worker_device)} of GPU memory and its GPU has {size(free)} free; raise "
-                      f"--shards or lower --seq-len (a calibration shard's activations are {size(need.activations)})")
+        raise MemoryShortfall(f"a quantize worker needs {gib(need.worker_device)} of GPU memory and its GPU has {gib(free)} "
+                              f"free; raise --shards or lower --seq-len (a calibration shard's activations are "
+                              f"{gib(need.activations)})")
