@@ -19,6 +19,17 @@ ranges, each program writes an fp32 partial sum, and a second kernel adds the pa
 fixed order (deterministic: no atomics), divides by the global scale, adds the bias and casts.
 The number of splits depends on N, K and the SM count only, never on M, so a row's result
 does not change with how many other rows (up to 16) share the call.
+
+Off CUDA, ``nvfp4_matmul_cpu`` keeps W packed too: it dequantizes W a tile of rows at a time
+(at most CPU_TILE_WEIGHTS weights, 512 KiB of fp32) and multiplies each tile in fp32, so a call
+never holds more than one tile of W dequantized. A tile decodes both codes of every byte with
+one gather (E2M1_PAIRS) and its FP8 scales with another (E4M3_VALUES), then applies the group
+scales by a broadcast multiply: the same fp32 operations as the reference, so a tile's weights
+are the reference's bit for bit. A weight of more than one tile goes through the custom op
+``sala::nvfp4_matmul_tiled``, which a compiled graph calls as one opaque op (its loop over
+tiles would otherwise be unrolled into the graph); a weight of one tile is plain torch ops that
+inductor fuses into the graph. ``nvfp4_matmul_reference`` (the whole weight dequantized, then
+one fp32 matmul) is what both are tested against.
 """
 from dataclasses import dataclass
 
@@ -196,6 +207,17 @@ def _splits_of(k: int, block_k: int, want: int) -> tuple[int, int]:
     return _cdiv(k_blocks, per_split), per_split * block_k
 
 
+def _check_shapes(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """x [M, K], packed [N, K/2] and scale [N, K/16] agree."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if k != 2 * packed.shape[1] or scale.shape != (n, k // GROUP_SIZE):
+        raise ValueError(
+            f"activations [{m}, {k}] do not match packed weight {tuple(packed.shape)} "
+            f"and scales {tuple(scale.shape)}"
+        )
+
+
 def _global_scale_stride(global_scale: torch.Tensor, n: int) -> int:
     """0 when one global scale covers the weight ([1]); for one per output row ([N]), its stride."""
     if global_scale.numel() == 1:
@@ -220,11 +242,7 @@ def nvfp4_matmul_triton(
     one split; s > 1 forces s-way split-K (benchmarks and tests)."""
     m, k = x.shape
     n = packed.shape[0]
-    if k != 2 * packed.shape[1] or scale.shape != (n, k // GROUP_SIZE):
-        raise ValueError(
-            f"activations [{m}, {k}] do not match packed weight {tuple(packed.shape)} "
-            f"and scales {tuple(scale.shape)}"
-        )
+    _check_shapes(x, packed, scale)
     stride_g = _global_scale_stride(global_scale, n)
     packed, scale = packed.contiguous(), scale.contiguous().view(torch.uint8)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -310,6 +328,70 @@ def nvfp4_matmul_reference(
     return torch.nn.functional.linear(x.float(), w, b).to(x.dtype)
 
 
+# ---- CPU: W dequantized a tile of rows at a time ----------------------------------------------
+
+# Byte b -> the values of its low and high nibble (columns 2j and 2j + 1), as one int64 holding
+# the two fp32s, so that one 1-D gather decodes a byte (a gather of [256, 2] rows is ~10x slower).
+E2M1_PAIRS = torch.stack((E2M1_VALUES.repeat(16), E2M1_VALUES.repeat_interleave(16)), dim=1).view(torch.int64).reshape(256)
+# fp32 of every FP8 E4M3 byte: a gather, where converting FP8 on CPU is elementwise scalar code.
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+# Weights a tile dequantizes: 512 KiB of fp32, which stays in cache between its dequantization and
+# its matmul. Measured on the 9B's shapes at M = 1 and 8 on one core (bench/cpu_nvfp4.py): 0.7-1.1
+# ns a weight with 128K-weight tiles, up to 40% more with 256K, 10-110% more with 1M or 4M.
+CPU_TILE_WEIGHTS = 1 << 17
+
+
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [r, K] of r rows of W, equal bit for bit to those rows of nvfp4_dequantize_reference:
+    E2M1[code] * (scale / global), global [1] or [r]."""
+    r, half = packed.shape
+    step = E4M3_VALUES.index_select(0, scale.view(torch.uint8).reshape(-1).int()).view(r, -1, 1)
+    step = step / global_scale.float().reshape(-1, 1, 1)
+    pairs = E2M1_PAIRS.index_select(0, packed.reshape(-1).int()).view(torch.float32).view(r, -1, GROUP_SIZE)
+    return pairs.mul_(step).view(r, 2 * half)
+
+
+def _tile_product(xf: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 xf @ W^T (+ bias) for the rows of W given: the reference's fp32 linear on them."""
+    b = bias.float() if bias is not None else None
+    return torch.nn.functional.linear(xf, dequantize_rows(packed, scale, global_scale), b)
+
+
+@torch.library.custom_op("sala::nvfp4_matmul_tiled", mutates_args=())
+def nvfp4_matmul_tiled(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                       bias: torch.Tensor | None, tile_weights: int = CPU_TILE_WEIGHTS) -> torch.Tensor:
+    """x [M, K] -> y [M, N] in x's dtype, W dequantized `tile_weights` weights (whole rows, at
+    least one) at a time."""
+    _check_shapes(x, packed, scale)
+    n, k = packed.shape[0], x.shape[1]
+    _global_scale_stride(global_scale, n)
+    rows = max(1, tile_weights // k)
+    per_row = global_scale.numel() > 1
+    xf, y = x.float(), x.new_empty(x.shape[0], n)
+    for lo in range(0, n, rows):
+        hi = min(lo + rows, n)
+        y[:, lo:hi] = _tile_product(xf, packed[lo:hi], scale[lo:hi], global_scale[lo:hi] if per_row else global_scale,
+                                    bias[lo:hi] if bias is not None else None)
+    return y
+
+
+@nvfp4_matmul_tiled.register_fake
+def _(x, packed, scale, global_scale, bias, tile_weights=CPU_TILE_WEIGHTS):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def nvfp4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> y [M, N] in x's dtype, never more than CPU_TILE_WEIGHTS weights of W dequantized."""
+    if packed.numel() * 2 > CPU_TILE_WEIGHTS:
+        return nvfp4_matmul_tiled(x, packed, scale, global_scale, bias)
+    # One tile: plain torch ops, which a compiled graph fuses (the gathers and the multiply in one loop).
+    _check_shapes(x, packed, scale)
+    _global_scale_stride(global_scale, packed.shape[0])
+    return _tile_product(x.float(), packed, scale, global_scale, bias).to(x.dtype)
+
+
 def nvfp4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -317,11 +399,11 @@ def nvfp4_linear(
     global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W^T (+ bias): Triton kernel on CUDA, torch reference elsewhere.
-    global_scale is [1] or [N]."""
+    """y [..., N] = x [..., K] @ W^T (+ bias): the Triton kernel on CUDA, the tiled CPU path
+    elsewhere. global_scale is [1] or [N]."""
     x2 = x.reshape(-1, x.shape[-1])
     if target.on_gpu(x2):
         y = nvfp4_matmul_triton(x2, packed, scale, global_scale, bias)
     else:
-        y = nvfp4_matmul_reference(x2, packed, scale, global_scale, bias)
+        y = nvfp4_matmul_cpu(x2, packed, scale, global_scale, bias)
     return y.reshape(*x.shape[:-1], packed.shape[0])

@@ -102,11 +102,12 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
         return kind.concat(parts)
     w = parts[0].weight
     has_bias = parts[0].bias is not None
-    fused = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts), bias=has_bias, device=w.device, dtype=w.dtype)
+    # Built on the meta device and given the concatenations: the fused weight is the only copy made.
+    fused = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts), bias=has_bias, device="meta", dtype=w.dtype)
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]))
         if has_bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]))
     return fused.requires_grad_(w.requires_grad)
 
 

@@ -78,7 +78,7 @@ class Engine:
         settings = EngineConfig(**settings)
         device = next(model.parameters()).device
         require_supported(device)
-        _prepare(model, device)
+        model.model.fuse_projections()  # one GEMM for q/k/v/gate and for gate/up, a layer at a time
         self.config = config = settings.resolve(model, medusa.tree.num_nodes if medusa is not None else None)
         _check_medusa(config, medusa)
         log.info("%s; %s", config.memory.describe(), config.kv_plan.describe())
@@ -358,13 +358,3 @@ def _check_medusa(config: EngineConfig, medusa) -> None:
                          f"({config.max_model_len}) must stay at or below sparse_config.dense_len "
                          f"({config.model.sparse_config['dense_len']})")
 
-
-def _prepare(model, device: torch.device) -> None:
-    """The model as the engine runs it: projections fused; on CPU, packed NVFP4 Linears keep an
-    fp32 copy of their weight, made now rather than on every call."""
-    model.model.fuse_projections()
-    if device.type == "cpu":
-        for m in model.modules():
-            if hasattr(m, "cache_dequantized"):
-                m.cache_dequantized = True
-                m.dequantized_weight()

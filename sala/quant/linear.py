@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import target
-from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear
+from kernels.nvfp4_gemm import nvfp4_linear
 from sala.quant.nvfp4 import GROUP_SIZE, NVFP4Tensor
 
 QUANTIZED_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -14,11 +13,9 @@ QUANTIZED_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
 class NVFP4Linear(nn.Module):
     """y = x @ W^T (+ bias) with W held as ``weight_packed`` uint8 [N, K/2], ``weight_scale``
     float8_e4m3fn [N, K/16] and ``weight_global_scale`` float32 [1], so a checkpoint's
-    tensors load straight into it.
-
-    ``cache_dequantized`` keeps an fp32 copy of W after the first CPU call and reuses it: it
-    trades 4 bytes per weight (the packed form needs 0.56) for skipping the per-call
-    dequantization. It never applies on CUDA, where the kernel reads the packed weight.
+    tensors load straight into it. These are all it holds, on every device: the CUDA kernel
+    reads them packed, and on CPU each call dequantizes one tile of rows at a time
+    (kernels/nvfp4_gemm.py).
     """
 
     def __init__(
@@ -27,7 +24,6 @@ class NVFP4Linear(nn.Module):
         out_features: int,
         bias: bool = False,
         *,
-        cache_dequantized: bool = False,
         device: torch.device | str | None = None,
     ):
         super().__init__()
@@ -37,7 +33,6 @@ class NVFP4Linear(nn.Module):
             )
         self.in_features = in_features
         self.out_features = out_features
-        self.cache_dequantized = cache_dequantized
         self.register_buffer(
             "weight_packed",
             torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),
@@ -52,22 +47,11 @@ class NVFP4Linear(nn.Module):
         self.register_buffer(
             "bias", torch.zeros(out_features, device=device) if bias else None
         )
-        self._dense: torch.Tensor | None = None
-        # Loading new tensors must not leave a stale cached weight behind.
-        self.register_load_state_dict_post_hook(lambda module, _: module.drop_cache())
 
     @classmethod
-    def from_quantized(
-        cls, q: NVFP4Tensor, bias: torch.Tensor | None = None, *, cache_dequantized: bool = False
-    ) -> NVFP4Linear:
+    def from_quantized(cls, q: NVFP4Tensor, bias: torch.Tensor | None = None) -> NVFP4Linear:
         out_features, in_features = q.codes.shape
-        layer = cls(
-            in_features,
-            out_features,
-            bias is not None,
-            cache_dequantized=cache_dequantized,
-            device=q.codes.device,
-        )
+        layer = cls(in_features, out_features, bias is not None, device=q.codes.device)
         layer.weight_packed.copy_(q.packed())
         layer.weight_scale.copy_(q.scale)
         layer.weight_global_scale.copy_(q.global_scale)
@@ -81,7 +65,7 @@ class NVFP4Linear(nn.Module):
         share a global scale keep one; otherwise the fused layer has one per output row."""
         first = parts[0]
         fused = cls(first.in_features, sum(p.out_features for p in parts), first.bias is not None,
-                    cache_dequantized=first.cache_dequantized, device=first.weight_packed.device)
+                    device="meta")  # every tensor is replaced below: allocate none
         fused.weight_packed = torch.cat([p.weight_packed for p in parts])
         fused.weight_scale = torch.cat([p.weight_scale for p in parts])
         scales = [p.weight_global_scale.reshape(-1) for p in parts]
@@ -93,18 +77,6 @@ class NVFP4Linear(nn.Module):
             fused.bias = torch.cat([p.bias for p in parts])
         return fused
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The fp32 weight, kept after the first call when `cache_dequantized` is set."""
-        if self._dense is not None:
-            return self._dense
-        w = nvfp4_dequantize_reference(self.weight_packed, self.weight_scale, self.weight_global_scale)
-        if self.cache_dequantized:
-            self._dense = w
-        return w
-
-    def drop_cache(self) -> None:
-        self._dense = None
-
     def _apply(self, fn, recurse=True):
         # model.to(torch.bfloat16) must not round the fp32 global scale or re-type the FP8
         # scales: the quantized tensors follow the module's device, never its dtype.
@@ -115,10 +87,6 @@ class NVFP4Linear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cache_dequantized and not target.on_gpu(x):
-            bias = self.bias.float() if self.bias is not None else None
-            # Same fp32 arithmetic as the reference path, so caching never changes outputs.
-            return nn.functional.linear(x.float(), self.dequantized_weight(), bias).to(x.dtype)
         return nvfp4_linear(
             x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias
         )
@@ -126,5 +94,5 @@ class NVFP4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, cache_dequantized={self.cache_dequantized}"
+            f"bias={self.bias is not None}"
         )

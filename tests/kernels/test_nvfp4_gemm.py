@@ -1,5 +1,6 @@
-"""W4A16 NVFP4 matmul: the Triton kernel (interpreted on CPU) against the torch reference, the
-reference against compressed-tensors and float64, and the quantized Linear around them."""
+"""W4A16 NVFP4 matmul: the Triton kernel (interpreted on CPU) and the tiled CPU path against the
+torch reference, the reference against compressed-tensors and float64, and the quantized Linear
+around them."""
 import importlib.util
 import subprocess
 import sys
@@ -8,7 +9,17 @@ import pytest
 import torch
 from compressed_tensors.compressors import unpack_fp4_from_uint8
 
-from kernels.nvfp4_gemm import nvfp4_dequantize_reference, nvfp4_linear, nvfp4_matmul_reference, nvfp4_matmul_triton, schedule
+import kernels.nvfp4_gemm as gemm
+from kernels.nvfp4_gemm import (
+    CPU_TILE_WEIGHTS,
+    dequantize_rows,
+    nvfp4_dequantize_reference,
+    nvfp4_linear,
+    nvfp4_matmul_reference,
+    nvfp4_matmul_tiled,
+    nvfp4_matmul_triton,
+    schedule,
+)
 from kernels.target import TARGETS, standing_in
 from sala.quant.linear import NVFP4Linear
 from sala.quant.nvfp4 import quantize_rtn
@@ -250,7 +261,8 @@ def test_reference_dequantizes_like_compressed_tensors_and_multiplies_exactly():
     )
 
 
-def test_dispatch_on_cpu_is_the_reference_and_keeps_leading_dims():
+def test_dispatch_on_cpu_keeps_leading_dims():
+    # A weight of one tile: the reference's own fp32 linear on the same weights, bit for bit.
     _, packed, scale, g = quantized_weight(40, 64, seed=2)
     x = torch.randn(2, 3, 64).bfloat16()
     bias = torch.randn(40).bfloat16()
@@ -294,15 +306,17 @@ def test_linear_buffers_are_the_compressed_tensors_tensors():
         NVFP4Linear(40, 8)
 
 
-def test_linear_cache_gives_identical_outputs_and_follows_new_weights():
-    q, packed, scale, g = quantized_weight(24, 32, seed=4)
-    plain = NVFP4Linear.from_quantized(q)
-    cached = NVFP4Linear.from_quantized(q, cache_dequantized=True)
-    x = torch.randn(5, 32).bfloat16()
-    assert torch.equal(cached(x), plain(x))
-    other = NVFP4Linear.from_quantized(quantized_weight(24, 32, seed=5)[0])
-    cached.load_state_dict(other.state_dict())
-    assert torch.equal(cached(x), other(x))
+def test_linear_holds_only_its_packed_tensors_after_cpu_calls():
+    # Two tiles' worth of weights (the tiled op) and a fused layer's [N] global scale.
+    a, b, *_ = fused_pair(CPU_TILE_WEIGHTS // 512, CPU_TILE_WEIGHTS // 512, 512)
+    layer = NVFP4Linear.concat([NVFP4Linear.from_quantized(a), NVFP4Linear.from_quantized(b)])
+    n, k = layer.out_features, layer.in_features
+    assert n * k == 2 * CPU_TILE_WEIGHTS and layer.weight_global_scale.shape == (n,)
+    x = torch.randn(3, k).bfloat16()
+    ref = nvfp4_matmul_reference(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    torch.testing.assert_close(layer(x), ref, rtol=2.0**-7, atol=1e-3)  # a bf16 ulp
+    tensors = {id(t): t for t in [*layer.buffers(), *layer.parameters(), *vars(layer).values()] if isinstance(t, torch.Tensor)}
+    assert sum(t.nbytes for t in tensors.values()) == n * k // 2 + n * k // 16 + 4 * n  # codes, FP8 scales, fp32 globals
 
 
 def test_linear_dtype_cast_keeps_quantized_tensors():
@@ -343,3 +357,115 @@ def test_split_k_on_gpu_with_per_row_global_scale_under_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)  # no atomics: the split-K sum is deterministic
+
+
+# ---- the CPU path: W dequantized a tile of rows at a time -----------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("globals_", ["one", "per_row"])
+def test_cpu_tiles_equal_the_reference(dtype, with_bias, globals_):
+    """80 x 144 and 75 x 64 weights cut into tiles of 7 rows (N not a multiple: a 3- or 5-row tail),
+    1 row, and one tile, at M = 1 and 5. Each tile's weights are the reference's rows bit for bit
+    and its output is the reference's fp32 linear on those rows bit for bit. Against the reference
+    itself, one GEMM over all of N whose BLAS kernel may sum K in another order (one-row tiles go
+    to a matrix-vector kernel), it is within fp32 rounding, and so it is against the exact float64
+    product. Measured: one tile is the reference bit for bit; 7- and 1-row tiles differ by up to
+    1.5e-5 on outputs of magnitude ~50 (a few fp32 ulps), bf16 outputs by one bf16 ulp or none."""
+    for n, k in [(80, 144), (75, 64)]:
+        if globals_ == "one":
+            q, packed, scale, g = quantized_weight(n, k, seed=n + k)
+            w64 = q.dequantize().double()
+        else:
+            a, b, packed, scale, g = fused_pair(n - 23, 23, k)  # the parts meet inside a 7-row tile
+            w64 = torch.cat([a.dequantize(), b.dequantize()]).double()
+        bias = torch.randn(n).to(dtype) if with_bias else None
+        w_ref = nvfp4_dequantize_reference(packed, scale, g)
+        for m in (1, 5):
+            x = torch.randn(m, k).to(dtype)
+            ref = nvfp4_matmul_reference(x, packed, scale, g, bias)
+            exact64, _ = exact_product(x, packed, scale, g, bias)
+            bound = fp32_rounding_bound(x, w64) + (bias.double().abs() * 2.0**-24 if with_bias else 0)
+            slack = ref.double().abs() * 2.0**-7 if dtype == torch.bfloat16 else 0.0  # a bf16 ulp: the final rounding
+            for rows in (7, 1, n):
+                y = nvfp4_matmul_tiled(x, packed, scale, g, bias, rows * k)
+                assert y.dtype == dtype and y.shape == (m, n)
+                for lo in range(0, n, rows):
+                    hi = min(lo + rows, n)
+                    g_rows = g[lo:hi] if g.numel() > 1 else g
+                    assert torch.equal(dequantize_rows(packed[lo:hi], scale[lo:hi], g_rows), w_ref[lo:hi])
+                    b = bias[lo:hi].float() if with_bias else None
+                    assert torch.equal(y[:, lo:hi], torch.nn.functional.linear(x.float(), w_ref[lo:hi], b).to(dtype))
+                diff = (y.double() - ref.double()).abs()
+                print(f"{dtype} N={n} K={k} M={m} {rows}-row tiles: max |tiled - reference| {diff.max():.2e}")
+                assert (diff <= 2 * bound + slack).all()
+                assert ((y.double() - exact64).abs() <= bound + slack).all()
+
+
+def test_cpu_path_dequantizes_one_tile_at_a_time(monkeypatch):
+    """nvfp4_linear on a weight of 2.5 tiles: three tiles of whole rows, none over CPU_TILE_WEIGHTS,
+    every row once; a weight of one tile is dequantized whole, once."""
+    k = 512
+    rows = CPU_TILE_WEIGHTS // k
+    q, packed, scale, g = quantized_weight(rows * 5 // 2, k, seed=21)
+    seen = []
+    real = gemm.dequantize_rows
+
+    def recording(packed, scale, global_scale):
+        seen.append(packed.shape[0] * 2 * packed.shape[1])
+        return real(packed, scale, global_scale)
+
+    monkeypatch.setattr(gemm, "dequantize_rows", recording)
+    x = torch.randn(2, k)
+    y = nvfp4_linear(x, packed, scale, g)
+    assert seen == [CPU_TILE_WEIGHTS, CPU_TILE_WEIGHTS, CPU_TILE_WEIGHTS // 2]
+    assert ((y - nvfp4_matmul_reference(x, packed, scale, g)).abs() <= fp32_rounding_bound(x, q.dequantize())).all()
+    seen.clear()
+    nvfp4_linear(x, packed[:rows], scale[:rows], g)
+    assert seen == [CPU_TILE_WEIGHTS]
+
+
+def test_cpu_tiled_op_compiles_as_one_opaque_op():
+    """Under torch.compile a weight of several tiles is one call of the custom op (its loop is not
+    unrolled into the graph) and a weight of one tile is inlined; both compile with inductor as the
+    engine compiles its decode step (C++ wrapper, dynamic batch) and give the eager results bit for
+    bit. The op's fake implementation passes torch's checks."""
+    k = 256
+    _, big_p, big_s, big_g = quantized_weight(CPU_TILE_WEIGHTS // k * 3, k, seed=22)
+    _, small_p, small_s, small_g = quantized_weight(48, k, seed=23)
+
+    def f(x):
+        return nvfp4_linear(x, big_p, big_s, big_g), nvfp4_linear(x, small_p, small_s, small_g)
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm.graph)
+        return gm.forward
+
+    x = torch.randn(3, k).bfloat16()
+    torch._dynamo.reset()
+    torch.compile(f, backend=recording_backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    (graph,) = graphs
+    targets = [str(node.target) for node in graph.nodes if node.op in ("call_function", "call_method")]
+    assert targets.count("sala.nvfp4_matmul_tiled.default") == 1
+    assert targets.count("index_select") == 2  # the one-tile weight's two gathers, inlined
+    compiled = torch.compile(f, dynamic=None, options={"cpp_wrapper": True})
+    for m in (2, 5):
+        x = torch.randn(m, k).bfloat16()
+        torch._dynamo.mark_dynamic(x, 0)
+        for got, want in zip(compiled(x), f(x)):
+            assert torch.equal(got, want)
+    args = (torch.randn(3, k).bfloat16(), big_p, big_s, big_g, torch.randn(big_p.shape[0]).bfloat16(), k * 100)
+    checks = torch.library.opcheck(nvfp4_matmul_tiled, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    assert set(checks.values()) == {"SUCCESS"}
+
+
+def test_cpu_tiled_op_rejects_mismatched_shapes():
+    _, packed, scale, g = quantized_weight(32, 64, seed=24)
+    with pytest.raises(ValueError, match="do not match packed weight"):
+        nvfp4_matmul_tiled(torch.randn(2, 48), packed, scale, g, None)
+    with pytest.raises(ValueError, match="expected \\[1\\] or \\[32\\]"):
+        nvfp4_matmul_tiled(torch.randn(2, 64), packed, scale, torch.ones(31), None)
