@@ -12,6 +12,7 @@ from sala.engine import parse_max_batch, parse_nodes
 from sala.kv import load_plan
 from sala.medusa.heads import has_medusa
 from sala.reasoning import REASONING_FORMATS
+from sala.text_markers import named
 from sala.tools import FORMATS
 from serve.router import PrefixAffinityRouter, PrefixRoutingIngress, RoutingOptions
 from serve.server import SalaServer, served_names
@@ -40,9 +41,10 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     tool_call_parser and reasoning_parser name the model's tool-call and reasoning formats (None:
     the ones its chat template writes; "none": none), ValueError here for an unknown name."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
-    for name, known in ((tool_call_parser, FORMATS), (reasoning_parser, REASONING_FORMATS)):
-        if name not in (None, "none", *known):
-            raise ValueError(f"unknown parser {name!r}; known: {', '.join(sorted(known))}, or none")
+    for name, known, what in ((tool_call_parser, FORMATS, "tool-call parser"), (reasoning_parser, REASONING_FORMATS,
+                                                                                 "reasoning parser")):
+        if name not in (None, "none"):
+            named(known, name, what)
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     if prefix_routing_options and not prefix_routing:

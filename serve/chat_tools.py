@@ -5,9 +5,9 @@ changes they need.
 With a tool-call format, tool_choice "auto", "required" and a named function are structural
 tags in the model's own syntax (sala/tools): free text, and calls held to their functions'
 schemas from their trigger on; "none" bans the trigger (free text without it, unless another
-constraint holds the output). Without one, "required" and a
-named function are JSON (serve/json_tools.py) and "auto" is refused, naming the flag. A
-constraint applies after the reasoning where the prompt opens it (StructuredOutputs.reasoning_end).
+constraint holds the output). Without one, "required" and a named function are JSON
+(serve/json_tools.py) and "auto" is refused, naming the flag. A constraint applies after the
+reasoning where the prompt opens it (StructuredOutputs.reasoning_end).
 """
 from __future__ import annotations
 
