@@ -1,6 +1,7 @@
 """Structured outputs on tiny-sala: tokens/s with a 10-field JSON schema against unconstrained
-decoding in the same run, at batch 1 and 8, greedy and at temperature 1.0; the schema's compile
-time, cold and cached; Medusa's accept length with and without the schema.
+decoding in the same run, at batch 1 and 8, greedy and at temperature 1.0, and with tool calls
+(tool_choice "auto" in tiny-sala's minicpm format); the schema's compile time, cold and cached;
+Medusa's accept length with and without the schema.
 
     python bench/structured.py [--batch 1 8] [--max-tokens 192] [--repeats 3] [--medusa-model CKPT]
 
@@ -14,6 +15,12 @@ the masks: 0.76x then against 0.9x now at batch 8). The two take turns within ea
 rounds and the ratio printed is the median of the rounds' ratios (this machine's speed drifts
 over minutes). Every constrained output that did not run out of tokens is checked against the
 schema with `jsonschema` (and some must end). Temperature 1.0 draws with a seed a request.
+
+Auto tools: chat prompts (the held-out windows as user turns) with two tools in tiny-sala's
+template, held to tool_choice "auto"'s structural tag (free text, and calls held to their
+tool's schema from the <|tool_call|> token on), at temperature 1.0 with that token favoured
+(logit bias TOOL_BIAS: tiny-sala, untrained for tools, seldom calls on its own); the twins carry
+the same bias. Every call that ends must validate against its tool's schema, and calls must be made.
 
 Compile time: cold is a fresh Grammars (the engine's compiler over this vocabulary, its cache
 empty) compiling the schema, median of 3, the vocabulary's one-off preprocessing reported apart;
@@ -59,6 +66,58 @@ SCHEMA = {
     "required": ["id", "name", "city", "age", "score", "active", "verified", "level", "color", "tags"],
     "additionalProperties": False,
 }
+
+
+# Two tools of the shapes agents send (bounded strings, an enum, a bounded integer).
+TOOLS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]},
+                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                    "required": ["city", "unit"], "additionalProperties": False},
+    "get_time": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}}, "required": ["tz"],
+                 "additionalProperties": False},
+}
+TOOL_BIAS = 6.0
+
+
+def tool_prompts(engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's text as a user turn of a chat offering TOOLS, through the chat template."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in TOOLS.items()]
+    texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": engine.tokenizer.decode(p[1:])}],
+                                                  tools=tools, tokenize=False, add_generation_prompt=True) for p in prompts]
+    return [engine.encode(t) for t in texts]
+
+
+def tool_sampling(engine, n: int, max_tokens: int, constrained: bool) -> list:
+    """Requests at temperature 1.0 with the trigger favoured; `constrained`: held to tool_choice "auto"."""
+    from sala.engine import SamplingParams, StructuredOutputs
+    from sala.structured import structural_tag
+    from sala.tools import FORMATS, Function, special_texts
+
+    fmt = FORMATS["minicpm"]
+    functions = [Function(name, schema) for name, schema in TOOLS.items()]
+    tag = structural_tag(fmt.tool_format(functions, "auto", True, special_texts(engine.tokenizer, engine.eos_ids)))
+    trigger = engine.tokenizer.convert_tokens_to_ids(fmt.trigger)
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=i, logit_bias={trigger: TOOL_BIAS},
+                           skip_special_tokens=False, structured_outputs=StructuredOutputs(structural_tag=tag) if constrained
+                           else None) for i in range(n)]
+
+
+def valid_calls(run: dict) -> tuple[int, int]:
+    """(calls that ended and validate against their tool's schema, calls that ended)."""
+    import jsonschema
+
+    from sala.tools import FORMATS, Function
+
+    functions = [Function(name, schema) for name, schema in TOOLS.items()]
+    ended = [c for text in run["texts"] for c in FORMATS["minicpm"].parse(text, functions, True).calls if c.ended]
+    ok = 0
+    for call in ended:
+        try:
+            jsonschema.validate(json.loads(call.arguments), TOOLS[call.name])
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return ok, len(ended)
 
 
 def run_at_batch(engine, prompts: list[list[int]], batch: int, params: list) -> dict:
@@ -149,28 +208,36 @@ def main(argv=None) -> int:
     out["vocabulary_setup_ms"] = 1e3 * median(setups)
 
     rows, all_valid = {}, True
+    chats = tool_prompts(engine, prompts)
     for b in args.batch:
-        for mode in ("greedy", "t=1.0"):
-            greedy = mode == "greedy"
-            free, held = (sampling(len(prompts), args.max_tokens, greedy, c) for c in (None, schema))
-            lengths = [len(t) for t in run_at_batch(engine, prompts, b, held)["tokens"]]  # also warms the prefix cache
+        for mode in ("greedy", "t=1.0", "auto tools"):
+            if mode == "auto tools":
+                runs_on, held = chats, tool_sampling(engine, len(prompts), args.max_tokens, True)
+                free = tool_sampling(engine, len(prompts), args.max_tokens, False)
+            else:
+                runs_on = prompts
+                free, held = (sampling(len(prompts), args.max_tokens, mode == "greedy", c) for c in (None, schema))
+            lengths = [len(t) for t in run_at_batch(engine, runs_on, b, held)["tokens"]]  # also warms the prefix cache
             free = [dataclasses.replace(p, max_tokens=n) for p, n in zip(free, lengths)]
-            run_at_batch(engine, prompts, b, free)
+            run_at_batch(engine, runs_on, b, free)
             pairs = []
             for _ in range(args.repeats):
-                pairs.append((run_at_batch(engine, prompts, b, free), run_at_batch(engine, prompts, b, held)))
+                pairs.append((run_at_batch(engine, runs_on, b, free), run_at_batch(engine, runs_on, b, held)))
             ratios = [h["tokens_per_s"] / f["tokens_per_s"] for f, h in pairs]
             f, h = pairs[ratios.index(median(ratios))]
-            ok, ended = valid_share(h)
+            ok, ended = valid_calls(h) if mode == "auto tools" else valid_share(h)
             all_valid &= ok == ended > 0
-            rows[f"b{b}_{'greedy' if greedy else 't1'}"] = r = {
+            key = {"greedy": "greedy", "t=1.0": "t1", "auto tools": "tools"}[mode]
+            rows[f"b{b}_{key}"] = r = {
                 "batch": b, "mode": mode, "ratio": median(ratios), "ratio_runs": ratios,
                 "tokens_per_s": h["tokens_per_s"], "unconstrained_tokens_per_s": f["tokens_per_s"],
-                "mean_tokens": sum(map(len, h["tokens"])) / len(prompts), "valid": ok, "ended": ended}
-            print(f"batch {b} {mode:>6}: constrained {r['tokens_per_s']:.0f} tokens/s vs unconstrained "
+                "mean_tokens": sum(map(len, h["tokens"])) / len(prompts), "valid": ok, "ended": ended,
+                "prompt_tokens": sum(map(len, runs_on)) / len(runs_on)}
+            what = (f"{ok}/{ended} calls valid, prompts of {r['prompt_tokens']:.0f} tokens" if mode == "auto tools" else
+                    f"{ok}/{ended} ended outputs valid, {len(prompts) - ended} ran out of tokens")
+            print(f"batch {b} {mode:>10}: constrained {r['tokens_per_s']:.0f} tokens/s vs unconstrained "
                   f"{r['unconstrained_tokens_per_s']:.0f} = {r['ratio']:.2f}x (runs "
-                  + " ".join(f"{x:.2f}" for x in ratios) + f"); {ok}/{ended} ended outputs valid, "
-                  f"{len(prompts) - ended} ran out of tokens", flush=True)
+                  + " ".join(f"{x:.2f}" for x in ratios) + f"); {what}", flush=True)
     out["runs"], out["all_valid"] = rows, all_valid
 
     medusa_path = Path(args.medusa_model) if args.medusa_model else sala_home() / "models" / f"{path.name}-medusa"
@@ -200,10 +267,10 @@ def main(argv=None) -> int:
 
     print(f"\ntiny-sala, {args.threads} thread(s), a {out['fields']}-field JSON schema, {args.prompts} requests a run, "
           f"max_tokens {args.max_tokens}; median of {args.repeats} rounds")
-    print(f"{'batch':>5} {'sampling':>8} {'unconstrained tok/s':>20} {'constrained tok/s':>18} {'ratio':>6} "
+    print(f"{'batch':>5} {'sampling':>10} {'unconstrained tok/s':>20} {'constrained tok/s':>18} {'ratio':>6} "
           f"{'tokens/output':>14} {'valid':>7}")
     for r in rows.values():
-        print(f"{r['batch']:>5} {r['mode']:>8} {r['unconstrained_tokens_per_s']:>20.0f} {r['tokens_per_s']:>18.0f} "
+        print(f"{r['batch']:>5} {r['mode']:>10} {r['unconstrained_tokens_per_s']:>20.0f} {r['tokens_per_s']:>18.0f} "
               f"{r['ratio']:>5.2f}x {r['mean_tokens']:>14.1f} {r['valid']:>3}/{r['ended']:<3}")
     print(f"compile: cold {out['compile_cold_ms']:.1f} ms (plus {out['vocabulary_setup_ms']:.0f} ms once per "
           f"vocabulary), cached {1e3 * out['compile_cached_ms']:.1f} us")

@@ -19,7 +19,14 @@ columns beside the generated ones: a jsonl file's fields are columns, typed from
 
 Structured outputs: `--json-schema FILE`, `--regex` or `--choice` constrain every row's output;
 a row's `guided_decoding` column (Ray Data LLM's dict: one of json, json_object, regex, choice,
-grammar) replaces that for the row.
+grammar, structural_tag) replaces that for the row.
+
+Tool calls: with `--tool-call-parser NAME` and `--messages-column`, a row's `tools` column (OpenAI's
+function tools) goes to the chat template, and the row's output is held to the format's calls
+as tool_choice "auto" holds a served request's (sala/tools): generated_text is then the text
+outside the calls, and `tool_calls` the calls (name, arguments as JSON text), each valid for its
+tool's schema. The messages may hold earlier calls (an assistant's tool_calls) and their results
+(`tool` messages), so a dataset of agent turns runs offline.
 
 The driver reads the dataset in chunks of `--batch-size` rows, each row tagged with its position,
 and writes each chunk's results as one part file once all its rows are back, beside the final
@@ -60,6 +67,7 @@ TOKEN_COUNTS = ("num_input_tokens", "num_generated_tokens")
 # A row's own structured-output constraint: Ray Data LLM's name for it (in a row's sampling_params
 # there; a column of its own here, since no other sampling parameter is read per row).
 GUIDED_DECODING = "guided_decoding"
+TOOLS = "tools"  # a row's function tools, OpenAI's
 
 
 # ----------------------------------------------------------------------------- reading
@@ -115,7 +123,7 @@ def jsonl_schema(path: str, chunk_lines: int = 4096):
             except ValueError:
                 continue  # an error row (parse_jsonl)
             if isinstance(rec, dict):
-                chunk.append(guided_decoding_as_text(rec))
+                chunk.append(objects_as_text(rec))
             if len(chunk) == chunk_lines:
                 absorb(chunk)
                 chunk = []
@@ -169,13 +177,12 @@ def input_chunks(spec: str, kind: str, column: str, split: str | None, schema, s
         yield tagged(start, table)
 
 
-def guided_decoding_as_text(rec: dict) -> dict:
-    """A jsonl line's guided_decoding object as its JSON text: rows constrain their outputs to
-    different schemas, which Arrow would merge into one struct of every row's keys, filling each
-    row's missing ones with nulls (the stage reads the text back, row_constraint)."""
-    if isinstance(rec.get(GUIDED_DECODING), dict):
-        return rec | {GUIDED_DECODING: json.dumps(rec[GUIDED_DECODING])}
-    return rec
+def objects_as_text(rec: dict) -> dict:
+    """A jsonl line's guided_decoding object and tools list as their JSON text: rows constrain
+    their outputs to different schemas, which Arrow would merge into one struct of every row's
+    keys, filling each row's missing ones with nulls (the stage reads the text back: row_constraint,
+    row_functions)."""
+    return rec | {k: json.dumps(rec[k]) for k, kind in ((GUIDED_DECODING, dict), (TOOLS, list)) if isinstance(rec.get(k), kind)}
 
 
 def parse_jsonl(batch, column: str, schema):
@@ -192,7 +199,7 @@ def parse_jsonl(batch, column: str, schema):
         else:
             if isinstance(rec, dict):
                 error = None if column in rec else f"no '{column}' field"
-                rec = guided_decoding_as_text(rec)
+                rec = objects_as_text(rec)
             else:
                 rec, error = {}, "line is not a JSON object"
         records.append(rec)
@@ -218,7 +225,8 @@ def output_types():
     top = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
     return {"generated_text": pa.string(), "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
             "finish_reason": pa.string(), "time_taken_llm": pa.float64(), "logprobs": pa.list_(pa.float64()),
-            "top_logprobs": pa.list_(pa.list_(top)), ERROR: pa.string()}
+            "top_logprobs": pa.list_(pa.list_(top)), ERROR: pa.string(),
+            "tool_calls": pa.list_(pa.struct([("name", pa.string()), ("arguments", pa.string())]))}
 
 
 def with_nullable_int_metadata(table, names: tuple[str, ...]):
@@ -252,6 +260,7 @@ def row_constraint(value):
     struct column has every row's keys, nulls where a row has none (inside a `json` schema too, so
     a schema that needs a null value goes as JSON text). InvalidParam for anything else."""
     from sala.engine import InvalidParam, StructuredOutputs
+    from sala.sampling.params import CONSTRAINT_KINDS
 
     if value is None:
         return None
@@ -263,13 +272,31 @@ def row_constraint(value):
     if not isinstance(value, dict):
         raise InvalidParam(GUIDED_DECODING, f"{GUIDED_DECODING} must be an object, got {type(value).__name__}")
     given = without_nulls(value)
-    known = [f.name for f in dataclasses.fields(StructuredOutputs)]
-    if unknown := [k for k in given if k not in known]:
+    if unknown := [k for k in given if k not in CONSTRAINT_KINDS]:
         raise InvalidParam(GUIDED_DECODING, f"{GUIDED_DECODING} has unknown key(s) {', '.join(map(repr, unknown))}; "
-                                            f"it takes one of {', '.join(known)}")
+                                            f"it takes one of {', '.join(CONSTRAINT_KINDS)}")
     if not isinstance(given.get("json_object", False), bool):
         raise InvalidParam(GUIDED_DECODING, "json_object must be true or false")
     return StructuredOutputs(**given).validate()
+
+
+def row_functions(value) -> list:
+    """A row's tools value (OpenAI's function tools, a list or its JSON text) as the functions
+    the model may call; InvalidParam for anything else."""
+    from sala.engine import InvalidParam
+    from sala.tools import Function
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidParam(TOOLS, f"{TOOLS} is not valid JSON: {e}") from None
+    try:
+        functions = [without_nulls(t)["function"] for t in value]
+        return [Function(f["name"], f.get("parameters") or {"type": "object", "properties": {}}) for f in functions]
+    except (KeyError, TypeError):
+        raise InvalidParam(TOOLS, f'{TOOLS} must be a list of {{"type": "function", "function": {{"name", "parameters"}}}}'
+                                  ) from None
 
 
 class GenerateStage:
@@ -278,11 +305,12 @@ class GenerateStage:
 
     def __init__(self, model_path: str, column: str, chat: bool, sampling: dict, top_logprobs: int | None,
                  num_threads: int, num_gpus: float, batch_invariant: bool, engine_kwargs: dict,
-                 structured_outputs=None, mlflow_run: tuple[str, str] | None = None):
+                 structured_outputs=None, tool_call_parser: str | None = None, mlflow_run: tuple[str, str] | None = None):
         import torch
 
         from sala.checkpoint import gpu_device
         from sala.engine import Engine, SamplingParams
+        from sala.tools import FORMATS, special_texts
 
         torch.set_num_threads(num_threads)
         self.engine = Engine.from_pretrained(model_path, device=gpu_device(num_gpus), batch_invariant=batch_invariant,
@@ -293,18 +321,36 @@ class GenerateStage:
         # structured_outputs: the flags' constraint (a StructuredOutputs), every row's unless its own replaces it.
         self.params = SamplingParams(**sampling, logprobs=top_logprobs, structured_outputs=structured_outputs)
         self.column, self.chat, self.top_logprobs = column, chat, top_logprobs
+        # The tool-call format of rows with tools; the special tokens their free text never holds.
+        self.format = None if tool_call_parser is None else FORMATS[tool_call_parser]
+        self.excludes = special_texts(self.engine.tokenizer, self.engine.eos_ids)
 
-    def prompt(self, value) -> str:
+    def prompt(self, value, functions: list) -> str:
+        from sala.tools.messages import template_message
+
         if self.chat:
-            messages = [{"role": m["role"], "content": m["content"]} for m in value]
-            return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            messages = [template_message(without_nulls(m), i) for i, m in enumerate(value)]
+            tools = [{"type": "function", "function": {"name": f.name, "parameters": f.parameters}} for f in functions]
+            return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                             tools=tools or None)
         if not isinstance(value, str) or not value:
             raise ValueError(f"'{self.column}' must be a non-empty string")
         return value
 
-    def row_params(self, guided_decoding):
-        """The sampling parameters of a row whose guided_decoding column holds `guided_decoding`."""
+    def row_params(self, guided_decoding, functions: list):
+        """The sampling parameters of a row whose guided_decoding column holds `guided_decoding`,
+        and that may call `functions` (as tool_choice "auto"; the trigger token kept in its text)."""
+        from sala.engine import InvalidParam, StructuredOutputs
+        from sala.structured import structural_tag
+
         constraint = row_constraint(guided_decoding)
+        if functions:
+            if constraint is not None:
+                raise InvalidParam(GUIDED_DECODING, f"a row with {TOOLS} holds its output to their calls: it takes no "
+                                                    f"{GUIDED_DECODING}")
+            tag = structural_tag(self.format.tool_format(functions, "auto", True, self.excludes))
+            return dataclasses.replace(self.params, structured_outputs=StructuredOutputs(structural_tag=tag),
+                                       skip_special_tokens=False)
         return self.params if constraint is None else dataclasses.replace(self.params, structured_outputs=constraint)
 
     def __call__(self, batch):
@@ -312,17 +358,20 @@ class GenerateStage:
         errors = batch.column(ERROR).to_pylist() if ERROR in batch.column_names else [None] * n
         values = batch.column(self.column).to_pylist()
         guided = batch.column(GUIDED_DECODING).to_pylist() if GUIDED_DECODING in batch.column_names else [None] * n
-        requests = {}
+        tools = batch.column(TOOLS).to_pylist() if self.format is not None and TOOLS in batch.column_names else [None] * n
+        requests, functions = {}, [[] for _ in range(n)]
         for i, value in enumerate(values):
             if errors[i] is None:
                 try:
-                    requests[i] = self.prompt(value), self.row_params(guided[i])
-                except (ValueError, TypeError, KeyError) as e:  # InvalidParam is a ValueError
+                    functions[i] = [] if tools[i] is None else row_functions(tools[i])
+                    requests[i] = self.prompt(value, functions[i]), self.row_params(guided[i], functions[i])
+                except (ValueError, TypeError, KeyError, RecursionError) as e:  # InvalidParam is a ValueError
                     errors[i] = f"{type(e).__name__}: {e}"
         done = {}
         for rows in self._generate(requests, errors):
             done |= rows
-        return outputs(batch, done, errors, self.top_logprobs)
+        calls = None if self.format is None else {i: self.format.parse(c.text, functions[i], True) for i, c in done.items()}
+        return outputs(batch, done, errors, self.top_logprobs, calls)
 
     def _generate(self, prompts: dict, errors: list) -> Iterator[dict]:
         """Completions of `prompts` (row -> (prompt, its sampling parameters)) in one engine
@@ -369,8 +418,10 @@ def log_tree_choice(engine, tracking_uri: str, run_id: str) -> None:
         print(f"warning: could not log the Medusa tree choice to MLflow run {run_id}: {e}", file=sys.stderr)
 
 
-def outputs(batch, done: dict, errors: list, top_logprobs: int | None):
-    """`batch` with the generated columns: row i's from completion done[i], else null with errors[i]."""
+def outputs(batch, done: dict, errors: list, top_logprobs: int | None, calls: dict | None = None):
+    """`batch` with the generated columns: row i's from completion done[i], else null with errors[i];
+    with `calls` (row -> its output read by the tool-call format), the text outside the calls as
+    generated_text, and the calls that ended as tool_calls."""
     import pyarrow as pa
 
     n = batch.num_rows
@@ -379,7 +430,8 @@ def outputs(batch, done: dict, errors: list, top_logprobs: int | None):
         return [fn(done[i]) if i in done else None for i in range(n)]
 
     values = {
-        "generated_text": column(lambda c: c.text),
+        "generated_text": column(lambda c: c.text) if calls is None else [calls[i].content if i in done else None
+                                                                            for i in range(n)],
         "num_input_tokens": column(lambda c: len(c.prompt_ids)),
         "num_generated_tokens": column(lambda c: len(c.token_ids)),
         "finish_reason": column(lambda c: c.finish_reason),
@@ -390,6 +442,9 @@ def outputs(batch, done: dict, errors: list, top_logprobs: int | None):
         if top_logprobs:
             values["top_logprobs"] = column(lambda c: [[{"token_id": t, "logprob": lp} for t, lp in e.top]
                                                        for e in c.logprobs])
+    if calls is not None:
+        values["tool_calls"] = [[{"name": c.name, "arguments": c.arguments} for c in calls[i].calls if c.ended]
+                                if i in done else None for i in range(n)]
     values[ERROR] = errors
     table = batch.drop_columns([ERROR]) if ERROR in batch.column_names else batch
     types = output_types()
@@ -459,6 +514,7 @@ def logit_bias_entry(text: str) -> tuple[int, float]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     from sala.engine.config import add_medusa_arguments
+    from sala.tools import FORMATS
 
     ap = argparse.ArgumentParser(prog="pipelines/generate.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
@@ -493,6 +549,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 f"'{GUIDED_DECODING}' column replaces the constraint for the row)")
     constrain.add_argument("--regex", help="every output matches this regular expression, whole")
     constrain.add_argument("--choice", nargs="+", metavar="TEXT", help="every output is one of these strings")
+    constrain.add_argument("--tool-call-parser", choices=sorted(FORMATS),
+                           help=f"the model's tool-call format: a row's '{TOOLS}' column (OpenAI's function tools) goes "
+                                "to the chat template, its output is held to calls of them in this format where it "
+                                "makes one (as tool_choice \"auto\"), and read into a tool_calls column (needs "
+                                "--messages-column)")
     ap.add_argument("--kv-plan", help="kv_plan.json for the cache (default: the checkpoint's own, if it has one)")
     ap.add_argument("--replicas", type=int, default=1, help="engine actors")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor")
@@ -512,6 +573,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.num_gpus < 0:
         ap.error("--num-gpus must be >= 0")
+    if args.tool_call_parser and not args.messages_column:
+        ap.error("--tool-call-parser needs --messages-column: tools go to the chat template")
     return args
 
 
@@ -644,10 +707,10 @@ def run(args, dataset: str, kind: str, column: str, schema, rows: int, model_pat
               "output": str(output), "kv_plan": args.kv_plan, **sampling,
               # The constraint's kind; the constraint itself is the run's artifact structured_outputs.json.
               "structured_outputs": constraint.kind if constraint else None,
-              "guided_decoding_column": GUIDED_DECODING in schema.names}
+              "guided_decoding_column": GUIDED_DECODING in schema.names, "tool_call_parser": args.tool_call_parser}
     stage = dict(model_path=str(model_path), column=column, chat=bool(args.messages_column), sampling=sampling,
                  top_logprobs=args.logprobs, num_threads=max(1, int(args.num_cpus)), num_gpus=args.num_gpus,
-                 batch_invariant=args.batch_invariant, structured_outputs=constraint,
+                 batch_invariant=args.batch_invariant, structured_outputs=constraint, tool_call_parser=args.tool_call_parser,
                  engine_kwargs={"max_batch_tokens": args.max_batch_tokens, "max_waiting": max(256, args.batch_size),
                                 "compile": args.compile,
                                 "medusa": args.medusa, "medusa_nodes": args.medusa_nodes,

@@ -9,6 +9,9 @@ grammar over the model's vocabulary, through xgrammar.
 - `Grammar` is one request's matcher. The engine advances it with every token the request
   keeps (Engine._append), once: preemption, recompute, chunked prefill and prefix reuse touch
   the cache, never the output, so it needs nothing from them. Its stop tokens are the engine's.
+- A constraint with a reasoning_end holds from the first occurrence of that text on: compiled as
+  a structural tag of free text up to it, then the constraint as a format of its own
+  (`constraint_format`), as vLLM applies a grammar once the reasoning has ended.
 - `masked` applies the bitmasks of a step's constrained rows to a copy of its logits, before
   the logits controls and sampling; `tree_masks` fills one per node of a Medusa draft tree, the
   grammar's state after the node's path (xgrammar's traverse_draft_tree), so that a drafted
@@ -94,28 +97,94 @@ class Grammars:
                                                   "simplify it")
 
     def matcher(self, c: StructuredOutputs) -> Grammar:
-        return Grammar(xgrammar().GrammarMatcher(self.compiled(c)), self.json_tokens if c.kind in ("json", "json_object") else None)
+        json_only = c.kind in ("json", "json_object") and c.reasoning_end is None  # reasoning has newlines
+        return Grammar(xgrammar().GrammarMatcher(self.compiled(c)), self.json_tokens if json_only else None)
 
     def _compile(self, c: StructuredOutputs):
         try:
             if c.kind == "json":
                 unsupported_keyword(json.loads(c.json))
+            if c.reasoning_end is not None:
+                return self.compiler.compile_structural_tag(structural_tag(after_reasoning(c.reasoning_end,
+                                                                                           constraint_format(c))))
+            if c.kind == "json":
                 return self.compiler.compile_json_schema(c.json, any_whitespace=False)
-            if c.kind == "json_object":  # any object: what strict mode would close, left open
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if c.kind == "json_object":
+                return self.compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False, strict_mode=False)
             if c.kind == "regex":
                 return self.compiler.compile_regex(c.regex)
             if c.kind == "choice":
                 alternatives = " | ".join(_gbnf_string(s) for s in c.choice)
                 return self.compiler.compile_grammar(f"root ::= {alternatives}")
+            if c.kind == "structural_tag":
+                return self.compiler.compile_structural_tag(c.structural_tag)
             return self.compiler.compile_grammar(c.grammar)
         except InvalidParam:
             raise
         except RecursionError:
             raise InvalidParam("structured_outputs", f"the {c.kind} constraint is nested too deeply") from None
-        except Exception as e:  # xgrammar's parse and conversion errors: the reason, in one line
-            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__  # no C++ source line
-            raise InvalidParam("structured_outputs", f"invalid {c.kind} constraint: {reason}") from None
+        except Exception as e:  # xgrammar's parse and conversion errors
+            raise InvalidParam("structured_outputs", f"invalid {c.kind} constraint: {one_line(e)}") from None
+
+
+ANY_OBJECT = '{"type": "object"}'  # json_object: any object, what strict mode would close left open
+# An EBNF token as xgrammar prints its grammars: a string literal, a character class, a name, or
+# any other character (operators, parentheses, spaces).
+EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|.', re.S)
+CONTROL = "\\0-\\x1f"  # raw control characters, as a character class writes them
+
+
+def json_grammar(schema: str, strict: bool = True) -> str:
+    """The EBNF of JSON valid for `schema` (JSON text), written as the json constraint writes it
+    (compact: ", " and ": " the only whitespace): xgrammar's own conversion, as text, to put
+    into a structural tag. InvalidParam for a schema it cannot convert, or one holding a keyword
+    no grammar enforces."""
+    try:
+        unsupported_keyword(json.loads(schema))
+        ebnf = str(xgrammar().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+    except InvalidParam:
+        raise
+    except RecursionError:
+        raise InvalidParam("structured_outputs", "the schema is nested too deeply") from None
+    except Exception as e:  # xgrammar's conversion errors: the reason, in one line
+        raise InvalidParam("structured_outputs", f"invalid JSON schema: {one_line(e)}") from None
+    # A string with a length bound lets raw control characters in (the json constraint masks
+    # their tokens, which a structural tag's free text needs): JSON has none, json.loads refuses them.
+    return "".join(f"[^{CONTROL}{t[2:]}" if t.startswith("[^") and CONTROL not in t else t for t in EBNF_TOKEN.findall(ebnf))
+
+
+def constraint_format(c: StructuredOutputs) -> dict:
+    """The constraint as a format of xgrammar's structural tags, the same language it compiles to alone."""
+    if c.kind == "json":
+        return {"type": "grammar", "grammar": json_grammar(c.json)}
+    if c.kind == "json_object":
+        return {"type": "grammar", "grammar": json_grammar(ANY_OBJECT, strict=False)}
+    if c.kind == "regex":
+        return {"type": "regex", "pattern": c.regex}
+    if c.kind == "choice":
+        return {"type": "or", "elements": [{"type": "const_string", "value": s} for s in c.choice]}
+    if c.kind == "structural_tag":
+        return json.loads(c.structural_tag)["format"]
+    return {"type": "grammar", "grammar": c.grammar}
+
+
+def after_reasoning(end: str, constraint: dict) -> dict:
+    """A format: free text up to `end` (the reasoning, the output starting inside it), then
+    `constraint`. The reasoning holds none of what starts the constraint's tagged regions (its
+    triggers: a tool call comes after the reasoning) nor what its free text may not hold."""
+    excludes = [end, *constraint.get("triggers", []), *constraint.get("excludes", [])]
+    return {"type": "sequence", "elements": [{"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": excludes},
+                                              "end": end}, constraint]}
+
+
+def structural_tag(format: dict) -> str:
+    """xgrammar's structural tag of a format, as JSON text."""
+    return json.dumps({"type": "structural_tag", "format": format}, ensure_ascii=False)
+
+
+def one_line(e: Exception) -> str:
+    """An xgrammar error's reason, in one line, without its C++ source location."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(e).split())) or type(e).__name__
 
 
 def unsupported_keyword(schema, path: str = "#") -> None:

@@ -30,11 +30,55 @@ from sala.config import LIGHTNING, SPARSE, SALAConfig
 from sala.home import sala_home
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+# The trigger of tiny-sala's tool calls, a special token as in MiniCPM's tokenizers: after it the
+# model writes the call in Python syntax (the minicpm tool-call format, sala/tools/minicpm.py).
+# Given after training (with_tool_call_token), in place of the learned token TOOL_CALL_REPLACES:
+# the tail of the ChatML markers, which BPE learned from their text, which no text of the corpus
+# encodes to (the markers are special tokens) and which no later merge builds on. The vocabulary's
+# size and the weights stay as trained.
+TOOL_CALL_TOKEN = "<|tool_call|>"
+TOOL_CALL_REPLACES = "|>"
+# ChatML, plus tools: listed in a system turn, an assistant turn's calls written after its text in
+# the minicpm format (arguments as a dict, the transformers convention), results in `tool` turns.
+# `enable_thinking` (given as a chat_template_kwarg) opens a <think> block, or closes an empty one.
+# A conversation without tools renders as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    # A value of a call's arguments as Python writes it.
+    "{%- macro py(v) -%}"
+    "{%- if v is none -%}None"
+    "{%- elif v is boolean -%}{{ 'True' if v else 'False' }}"
+    "{%- elif v is string or v is number -%}{{ v | tojson }}"
+    "{%- elif v is mapping -%}{{ '{' }}{%- for k, x in v.items() -%}{{ k | tojson }}: {{ py(x) }}{{ ', ' if not loop.last }}"
+    "{%- endfor -%}{{ '}' }}"
+    "{%- else -%}[{%- for x in v -%}{{ py(x) }}{{ ', ' if not loop.last }}{%- endfor -%}]"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ messages[0]['content'] + '\\n\\n' }}{%- endif -%}"
+    "{{ '# Tools\\nTo call a function, write <|tool_call|>name(argument=value, ...); its result comes back in a tool "
+    "turn. The functions:\\n' }}"
+    "{%- for tool in tools -%}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "{{ '<|tool_call|>' + f['name'] + '(' }}"
+    "{%- for k, v in f['arguments'].items() -%}{{ k + '=' }}{{ py(v) }}{{ ', ' if not loop.last }}{%- endfor -%}"
+    "{{ ')' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined -%}{{ '<think>\\n' if enable_thinking else '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif -%}"
+    "{%- endif -%}"
 )
 # Modules whose docstrings extend the corpus: fixed and sorted, so the corpus is reproducible.
 DOC_MODULES = sorted([
@@ -136,12 +180,13 @@ def recipe_hash() -> str:
     for t in train + heldout:
         h.update(t.encode())
     h.update(torch.__version__.split("+")[0].encode())
+    # What the tokenizer gets after training: a new tokenizer, the same weights.
+    h.update(json.dumps({"tool_call_token": [TOOL_CALL_TOKEN, TOOL_CALL_REPLACES], "chat_template": CHAT_TEMPLATE}).encode())
     return h.hexdigest()[:12]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -155,16 +200,38 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.train_from_iterator(texts, trainer=trainer)
     # BOS is prepended automatically, as in the real tokenizer (add_bos_token true).
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    return hf_tokenizer(tok, SPECIAL_TOKENS[3:])
+
+
+def hf_tokenizer(backend, extra_special_tokens: list[str]):
+    """A tokenizers Tokenizer as tiny-sala's transformers tokenizer, with its chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=backend,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="</s>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=extra_special_tokens,
         chat_template=CHAT_TEMPLATE,
         model_max_length=RECIPE["config"]["max_position_embeddings"],
     )
+
+
+def with_tool_call_token(tokenizer):
+    """The trained tokenizer with TOOL_CALL_TOKEN a special token at TOOL_CALL_REPLACES's id, that
+    token's merge removed (nothing else can produce the id), the vocabulary's size unchanged."""
+    from tokenizers import Tokenizer
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    token_id = vocab.pop(TOOL_CALL_REPLACES)
+    vocab[TOOL_CALL_TOKEN] = token_id
+    state["model"]["merges"] = [m for m in state["model"]["merges"] if "".join(m) != TOOL_CALL_REPLACES]
+    state["added_tokens"].append({"id": token_id, "content": TOOL_CALL_TOKEN, "single_word": False, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "special": True})
+    return hf_tokenizer(Tokenizer.from_str(json.dumps(state)), [*SPECIAL_TOKENS[3:], TOOL_CALL_TOKEN])
 
 
 def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -259,6 +326,9 @@ def build(target: Path, progress: bool = True) -> dict:
     model = SALAForCausalLM(config)
     losses = train(model, train_ids, progress)
     model.eval()
+    replaced = tokenizer.convert_tokens_to_ids(TOOL_CALL_REPLACES)
+    if replaced in train_ids or replaced in heldout_ids:
+        raise RuntimeError(f"{TOOL_CALL_REPLACES!r} (id {replaced}) is in the corpus's tokens: it cannot become {TOOL_CALL_TOKEN}")
     metrics = {
         "heldout_ppl": perplexity(model, heldout_ids, RECIPE["seq_len"]),
         "unigram_ppl": unigram_perplexity(train_ids, heldout_ids, len(tokenizer)),
@@ -272,7 +342,7 @@ def build(target: Path, progress: bool = True) -> dict:
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = config.bos_token_id
     producer = {"name": "sala.tiny", "recipe": RECIPE, "recipe_hash": recipe_hash()}
-    save_checkpoint(model, target, tokenizer, overwrite=True, producer=producer, metrics=metrics,
+    save_checkpoint(model, target, with_tool_call_token(tokenizer), overwrite=True, producer=producer, metrics=metrics,
                     extra_files={"heldout.txt": "\n\n".join(heldout_texts).encode()})
     return metrics
 

@@ -28,6 +28,8 @@ from sala.checkpoint import DeviceUnavailable, gpu_device
 from sala.engine import SpeculationSettingError, parse_max_batch, parse_nodes
 from sala.engine.config import add_medusa_arguments
 from sala.kv import KVPlanError
+from sala.reasoning import REASONING_FORMATS
+from sala.tools import FORMATS
 from serve.build import MedusaOff, build_app
 
 
@@ -60,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "those that share a prompt prefix to the replica caching it")
     ap.add_argument("--max-tokens-limit", type=int, default=1024,
                     help="largest max_tokens a request may ask for (default: %(default)s)")
+    ap.add_argument("--tool-call-parser", choices=[*sorted(FORMATS), "none"],
+                    help="the model's tool-call format, which tool_choice \"auto\" needs (default: the one its chat "
+                         "template writes, if any)")
+    ap.add_argument("--reasoning-parser", choices=[*sorted(REASONING_FORMATS), "none"],
+                    help="the model's reasoning format, split out as reasoning_content (default: the one its chat "
+                         "template writes, if any)")
     add_medusa_arguments(ap)
     ap.add_argument("--kv-plan", help="kv_plan.json for the cache: each layer's K/V format or state dtype "
                                       "(default: the checkpoint's own, if it has one)")
@@ -100,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         num_gpus=args.num_gpus, batch_invariant=args.batch_invariant, num_threads=args.num_threads,
                         max_tokens_limit=args.max_tokens_limit, kv_plan=args.kv_plan, prefix_cache=args.prefix_cache,
                         compile=args.compile, num_replicas=args.num_replicas, prefix_routing=args.prefix_routing,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         **({} if args.medusa is None else {"medusa": args.medusa}),
                         **{k: v for k in ("medusa_nodes", "medusa_max_batch") if (v := getattr(args, k)) is not None})
     except KVPlanError as e:

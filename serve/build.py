@@ -11,6 +11,9 @@ from sala.checkpoint import read_config
 from sala.engine import parse_max_batch, parse_nodes
 from sala.kv import load_plan
 from sala.medusa.heads import has_medusa
+from sala.reasoning import REASONING_FORMATS
+from sala.text_markers import named
+from sala.tools import FORMATS
 from serve.router import PrefixAffinityRouter, PrefixRoutingIngress, RoutingOptions
 from serve.server import SalaServer, served_names
 
@@ -23,7 +26,7 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
               num_cpus: float = 1.0, num_gpus: float = 0, batch_invariant: bool = False, num_threads: int | None = None,
               max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, kv_plan=None, num_replicas: int = 1,
               autoscaling_config: dict | None = None, prefix_routing: bool = True, prefix_routing_options: dict | None = None,
-              **engine_kwargs):
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None, **engine_kwargs):
     """The Serve application for `serve.run`; api_key defaults to $SALA_API_KEY (unset: no auth).
     kv_plan (a kv_plan.json path or its dict; default: the checkpoint's own) is checked against the
     model here, so a bad plan fails before any replica starts (KVPlanError naming the problem).
@@ -34,8 +37,14 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     PrefixAffinityRouter's: block_chars, max_blocks, imbalanced_threshold, min_match_rate,
     refresh_interval_s); without
     prefix_routing Serve's power of two choices spreads them. medusa_nodes and medusa_max_batch
-    (engine settings) are checked here too: MedusaOff when the model is served without Medusa."""
+    (engine settings) are checked here too: MedusaOff when the model is served without Medusa.
+    tool_call_parser and reasoning_parser name the model's tool-call and reasoning formats (None:
+    the ones its chat template writes; "none": none), ValueError here for an unknown name."""
     served_names(served_model_name)  # a bad value fails here, not in the replica
+    for name, known, what in ((tool_call_parser, FORMATS, "tool-call parser"), (reasoning_parser, REASONING_FORMATS,
+                                                                                 "reasoning parser")):
+        if name not in (None, "none"):
+            named(known, name, what)
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     if prefix_routing_options and not prefix_routing:
@@ -67,7 +76,7 @@ def build_app(model: str | None = None, *, served_model_name: str | list[str] | 
     server = SalaServer.options(**options).bind(
         model, served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
         max_tokens_limit=max_tokens_limit, num_threads=num_threads, num_gpus=num_gpus, batch_invariant=batch_invariant,
-        engine_kwargs=engine_kwargs)
+        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, engine_kwargs=engine_kwargs)
     return (PrefixRoutingIngress.bind(server, max_body_bytes=max_body_bytes, refresh_interval_s=routing.refresh_interval_s)
             if routed else server)
 

@@ -1,8 +1,9 @@
 """Errors as the API answers them, over HTTP and through a DeploymentHandle alike.
 
 Errors follow OpenAI: `{"error": {"message", "type", "param", "code"}}`. A body that is not
-JSON is a 400; one that does not match the schema (a missing or mistyped field) a 422; a
-field with an impossible value a 400; both name the field in `param`. No field is ignored:
+JSON is a 400; so is one that does not match the schema (a missing or mistyped field) and a
+field with an impossible value, as OpenAI, vLLM and SGLang answer (clients catch them as
+BadRequestError); `param` names the field as OpenAI does (`tools[0].function.name`). No field is ignored:
 one this server does not know, or knows but cannot honour (functions, function_call), is a 400
 naming it, as OpenAI answers an unrecognized argument. A structured-output constraint the
 engine refuses (InvalidParam("structured_outputs")) is named by the field that carried it:
@@ -13,7 +14,8 @@ which holds no model, answers its errors with it too.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import UnionType
+from typing import TYPE_CHECKING, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
@@ -49,13 +51,43 @@ class APIError(ValueError):
         return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
-def schema_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    param = ".".join(str(x) for x in err["loc"]) or None
-    if err["type"] == "extra_forbidden":
+def schema_error(e: ValidationError, model: type[BaseModel]) -> APIError:
+    """The 400 of a body that does not fit `model`, naming the field of its most specific error
+    (the deepest: of a union's branches, the one the body went furthest into)."""
+    err = max(e.errors(), key=lambda x: len(x["loc"]))
+    if err["type"] == "extra_forbidden":  # the last of loc is the unknown field itself
+        param = ".".join(p for p in (field_path(model, err["loc"][:-1]), str(err["loc"][-1])) if p)
         return APIError(400, f"Unrecognized request argument supplied: {param} (this server does not support it)",
                         param=param, code="unknown_field")
-    return APIError(422, f"{param}: {err['msg']}" if param else err["msg"], param=param, code=err["type"])
+    param = field_path(model, err["loc"]) or None
+    message = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code=err["type"])
+
+
+def field_path(model: type[BaseModel], loc: tuple) -> str:
+    """pydantic's error location as OpenAI names a field (`messages[1].content`): list indices
+    in brackets, the tags pydantic adds for a union's branches ("str", "list[TextPart]") left out."""
+    path, types = "", [model]
+    for item in loc:
+        if isinstance(item, int):
+            path += f"[{item}]"
+            types = [a for t in types if get_origin(t) is list for a in branches(get_args(t)[0])]
+            continue
+        fields = {f.alias or name: f for t in types if isinstance(t, type) and issubclass(t, BaseModel)
+                  for name, f in t.model_fields.items()}
+        if item in fields:
+            path += f".{item}" if path else item
+            types = branches(fields[item].annotation)
+        else:  # a union's branch (narrowed to that model), or a dict's key
+            types = [t for t in types if getattr(t, "__name__", None) == item] or types
+    return path
+
+
+def branches(annotation) -> list:
+    """The types a field's annotation allows: a union's members, or itself."""
+    if get_origin(annotation) in (Union, UnionType):
+        return [b for a in get_args(annotation) for b in branches(a)]
+    return [annotation]
 
 
 # Where each SamplingParams field lives in each endpoint's body, for error messages.
@@ -80,11 +112,8 @@ def constraint_field(body: BaseModel) -> str | None:
     return carried and carried[0]
 
 
-def client_error(e: InvalidParam | ValidationError, endpoint: str, body: BaseModel | None) -> APIError:
-    """The 400 / 422 a bad value or a bad schema in a request to `endpoint` is, naming the field
-    as that endpoint's body spells it."""
-    if isinstance(e, ValidationError):
-        return schema_error(e)
+def client_error(e: InvalidParam, endpoint: str, body: BaseModel | None) -> APIError:
+    """The 400 a bad value in a request to `endpoint` is, naming the field as that endpoint's body spells it."""
     if e.param == "structured_outputs" and (carried := constraint_field(body)) is not None:
         return APIError(400, f"{carried}: {e}", param=carried)
     param = PARAM_NAMES.get(endpoint, {}).get(e.param, e.param)
@@ -98,4 +127,4 @@ def parse(model: type[BaseModel], data) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise schema_error(e) from None
+        raise schema_error(e, model) from None

@@ -7,7 +7,7 @@ one response, or with `stream` its chunks in order (the HTTP layer frames them a
 """
 from __future__ import annotations
 
-import json
+import inspect
 import logging
 import time
 import uuid
@@ -17,6 +17,8 @@ from typing import AsyncIterator, Callable
 from jinja2 import TemplateError
 
 from sala.engine import InvalidParam, RequestOutput, SamplingParams
+from serve.chat_output import ChatOutput
+from serve.chat_tools import ChatTools
 from serve.client import EngineClient
 from serve.errors import APIError
 from serve.protocol import (
@@ -37,10 +39,13 @@ OnPrompt = Callable[[list[int]], None] | None
 
 
 class OpenAIAPI:
-    def __init__(self, client: EngineClient, names: list[str]):
+    def __init__(self, client: EngineClient, names: list[str], tools: ChatTools):
         # As vLLM's --served-model-name: requests may use any of the names, responses carry the one asked for.
-        self.client, self.names = client, names
+        self.client, self.names, self.tools = client, names, tools
         self.tokenizer, self.text_of = client.tokenizer, client.text_of
+        # What chat_template_kwargs cannot set: the messages, and apply_chat_template's own arguments (tools, tokenize, ...).
+        self.reserved = {"messages"} | {name for name, p in inspect.signature(self.tokenizer.apply_chat_template).parameters.items()
+                                        if p.kind is not p.VAR_KEYWORD}
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with: the requested one, or the first served name when none is given."""
@@ -58,29 +63,18 @@ class OpenAIAPI:
                                             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
                                            for name in self.names]}
 
-    def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[Tool] | None = None) -> str:
-        """The prompt the chat template makes of `messages` (and of `tools`, where the template
-        renders them); InvalidParam("messages") when the template refuses them (raise_exception),
-        e.g. roles out of order."""
+    def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[Tool] | None = None,
+                  template_kwargs: dict | None = None) -> str:
+        """The prompt the chat template makes of `messages` (and of `tools`, and of
+        chat_template_kwargs' variables); InvalidParam("messages") when the template refuses them
+        (raise_exception), e.g. roles out of order."""
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        rendered = [m.for_template(i) for i, m in enumerate(messages)]
         try:
-            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                      tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      tools=tool_dicts)
-        except TemplateError as e:
+            return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      tools=tool_dicts, **(template_kwargs or {}))
+        except (TemplateError, TypeError) as e:  # TypeError: a template's expression on a value it cannot take
             raise InvalidParam("messages", f"the chat template refused the messages: {e}") from None
-
-    def refuse_auto_tool_choice(self) -> InvalidParam:
-        """tool_choice "auto" lets the model answer in text or call a tool; telling which it did
-        takes a parser for the model's tool-call format, which this server does not have."""
-        instead = ('use tool_choice "required" (one or more calls of the tools) or {"type": "function", "function": '
-                   '{"name": ...}} (a call of that function), which constrain the output to a call, or "none" for text')
-        if "tools" in str(self.tokenizer.chat_template or ""):
-            why = "it needs a parser for this model's tool-call format, to tell a call from text, which this server does not have"
-        else:
-            why = "this model's chat template does not render tools, so the model cannot decide on its own to call one"
-        return InvalidParam("tool_choice", f'tool_choice "auto" (the default when tools are given) is not supported: {why}; '
-                                           f"{instead}")
 
     @staticmethod
     def _log_user(rid: str, user: str | None) -> None:
@@ -145,27 +139,36 @@ class OpenAIAPI:
         start = time.perf_counter()
         name = self.check_model(body.model)
         body.refuse_deprecated()
-        tool_call = body.tool_call()
-        if tool_call == "auto":
-            raise self.refuse_auto_tool_choice()
+        if reserved := sorted(self.reserved & (body.chat_template_kwargs or {}).keys()):
+            raise InvalidParam("chat_template_kwargs", f"chat_template_kwargs cannot set {reserved[0]!r}: the request "
+                                                       "sets it")
+        tools = self.tools.with_format(body.tool_call_parser)
+        mode, functions = body.tool_call(), body.tool_functions()
+        body.set_tools_constraint(tools.constraint(mode, functions, body.parallel_tool_calls is not False))
         body.constraint()  # a bad one refused before the tools are rendered into the prompt
         top = body.top_k_logprobs()
-        text = self.chat_text(body.messages, add_generation_prompt=True, tools=body.tools)
+        text = self.chat_text(body.messages, add_generation_prompt=True, tools=body.tools,
+                              template_kwargs=body.chat_template_kwargs)
+        opened = tools.reasoning is not None and tools.reasoning.opened_by(text)  # a constraint holds after the reasoning
+        reasoning = tools.reasoning if body.separate_reasoning is not False else None
         requested, param = (body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None \
             else (body.max_tokens, "max_tokens")
-        queued = await self.client.submit([text], body.choices_per_prompt,
-                                          lambda ids: body.sampling(self.client.max_tokens(requested, None, len(ids), param), top),
-                                          on_prompt=on_prompt)
+
+        def params_for(ids: list[int]) -> SamplingParams:
+            params = body.sampling(self.client.max_tokens(requested, None, len(ids), param), top)
+            return tools.sampling(params, mode, bool(functions), opened)
+
+        queued = await self.client.submit([text], body.choices_per_prompt, params_for, on_prompt=on_prompt)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self._log_user(rid, body.user)
         head = {"id": rid, "object": "chat.completion", "created": created, "model": name}
         choices = self.client.choices(queued)
-        calls = [ToolCalls(tool_call) for _ in choices] if tool_call else None
+        outputs = [ChatOutput(tools.parser(mode), functions, reasoning, opened) for _ in choices]
         prompt_tokens = len(queued[0].prompt_ids)
 
         def finish_reason(i: int) -> str | None:
             reason = choices[i].finish_reason
-            return "tool_calls" if calls and reason == "stop" and calls[i].calls else reason
+            return "tool_calls" if reason == "stop" and outputs[i].called else reason
 
         if body.stream:
             chunk = {**head, "object": "chat.completion.chunk"}
@@ -182,33 +185,25 @@ class OpenAIAPI:
             async for i, out in self.client.merged(queued, start):
                 if i not in announced:
                     announced.add(i)
-                    yield event(i, {"role": "assistant", "content": None if calls else ""})
+                    yield event(i, {"role": "assistant", "content": None if mode else ""})
                 choices[i].add(out)
                 lp = chat_logprobs(self.text_of, out.logprobs) if top is not None else None
-                if calls:  # the calls' deltas as they complete, then this output's logprobs and finish
-                    for delta in calls[i].feed(out.text):
-                        yield event(i, {"tool_calls": [delta]})
-                    if lp is not None or out.finished:
-                        yield event(i, {}, lp, out.finished)
-                    continue
-                delta = {"content": out.text} if out.text or not out.finished else {}
-                yield event(i, delta, lp, out.finished)
+                deltas = outputs[i].feed(out.text, out.finished)
+                for k, delta in enumerate(deltas):  # this output's logprobs and finish go with its last delta
+                    last = k == len(deltas) - 1
+                    yield event(i, delta, lp if last else None, out.finished and last)
+                if not deltas and (lp is not None or out.finished):
+                    yield event(i, {}, lp, out.finished)
             if body.stream_options and body.stream_options.include_usage:
                 yield {**chunk, "choices": [], "usage": usage(choices, prompt_tokens, body.n)}
             return
         async for i, out in self.client.merged(queued, start):
             choices[i].add(out)
-            if calls:
-                calls[i].feed(out.text)
-
-        def message(c) -> dict:
-            if calls:
-                return {"role": "assistant", "content": None, "tool_calls": calls[c.index].calls}
-            return {"role": "assistant", "content": c.text}
-
+        for c in choices:
+            outputs[c.index].feed(c.text, True)
         yield {**head, "choices": [
-            {"index": c.index, "message": message(c), "finish_reason": finish_reason(c.index), "stop_reason": c.stop_reason,
-             "logprobs": chat_logprobs(self.text_of, c.logprobs) if top is not None else None}
+            {"index": c.index, "message": outputs[c.index].message(), "finish_reason": finish_reason(c.index),
+             "stop_reason": c.stop_reason, "logprobs": chat_logprobs(self.text_of, c.logprobs) if top is not None else None}
             for c in choices], "usage": usage(choices, prompt_tokens, body.n)}
 
     def tokenize(self, body: TokenizeRequest) -> dict:
@@ -237,45 +232,3 @@ class OpenAIAPI:
         texts = [self.tokenizer.decode(seq, skip_special_tokens=body.skip_special_tokens) for seq in seqs]
         text = texts if batched else texts[0]
         return {"prompt": text, "text": text}
-
-
-class ToolCalls:
-    """One choice's tool calls (OpenAI's message.tool_calls), read from its output as it grows.
-    For a named function the output is the call's arguments, streamed as they come; for
-    tool_choice "required" it is a JSON array of {"name", "parameters"} objects
-    (protocol.tool_calls_schema), each call taken once its object is complete. `feed` returns
-    the streamed deltas: a call's first carries its index, id, type, name and arguments "",
-    the next ones its arguments text."""
-
-    def __init__(self, mode: str):
-        self.named = None if mode == "required" else mode
-        self.calls: list[dict] = []
-        self.text, self.read = "", 0  # the output so far; how much of it the array's parse has used
-        self.decoder = json.JSONDecoder()
-
-    def _start(self, name: str) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
-        self.calls.append(call)
-        return {"index": len(self.calls) - 1, **call, "function": dict(call["function"])}
-
-    def _arguments(self, text: str) -> dict:
-        self.calls[-1]["function"]["arguments"] += text
-        return {"index": len(self.calls) - 1, "function": {"arguments": text}}
-
-    def feed(self, text: str) -> list[dict]:
-        deltas = []
-        if self.named is not None:
-            if not self.calls:
-                deltas.append(self._start(self.named))
-            return deltas + [self._arguments(text)] if text else deltas
-        self.text += text
-        while True:
-            rest = self.text[self.read:].lstrip()
-            if not rest.startswith(("[", ",")):  # the array's end, or more to come
-                return deltas
-            try:
-                call, end = self.decoder.raw_decode(rest[1:].lstrip())
-            except ValueError:  # this call's object is not complete yet
-                return deltas
-            self.read = len(self.text) - len(rest[1:].lstrip()) + end
-            deltas += [self._start(call["name"]), self._arguments(json.dumps(call["parameters"], ensure_ascii=False))]

@@ -9,9 +9,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from sala.engine import InvalidParam, RequestOutput, SamplingParams, SpecStats, StructuredOutputs, TokenLogprob
+from sala.tools import Function
+from sala.tools.messages import template_message
 from serve.token_bytes import TokenBytes
 
 
@@ -90,6 +92,33 @@ def one_constraint(given: dict[str, StructuredOutputs | None]) -> tuple[str, Str
     return carried[0] if carried else None
 
 
+def structural_tag_text(value: dict | str, param: str) -> str:
+    """A structural tag in either of vLLM's shapes, as the engine's constraint takes it:
+    xgrammar's {"type": "structural_tag", "format": {...}}, or the legacy {"structures": [{"begin",
+    "schema", "end"}, ...], "triggers": [...]} (free text, each structure where a trigger starts
+    it, its content JSON for its schema). InvalidParam(param) for anything else."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidParam(param, f"the structural tag is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidParam(param, f"the structural tag nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+    shallow(value, param)
+    if isinstance(value, dict) and isinstance(value.get("format"), dict):
+        return json.dumps({"type": "structural_tag", "format": integral(value["format"])}, ensure_ascii=False)
+    if isinstance(value, dict) and isinstance(value.get("structures"), list) and isinstance(value.get("triggers"), list):
+        try:
+            tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": integral(s["schema"])},
+                     "end": s["end"]} for s in value["structures"]]
+        except (KeyError, TypeError):
+            raise InvalidParam(param, 'each of the structural tag\'s structures needs "begin", "schema" and "end"') from None
+        return json.dumps({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": value["triggers"],
+                                                                "tags": tags}}, ensure_ascii=False)
+    raise InvalidParam(param, 'a structural tag is {"type": "structural_tag", "format": {...}}, or {"structures": '
+                              '[{"begin", "schema", "end"}, ...], "triggers": [...]}')
+
+
 class VLLMStructuredOutputs(_Body):
     """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of its fields."""
 
@@ -98,12 +127,14 @@ class VLLMStructuredOutputs(_Body):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (GBNF)
+    structural_tag: str | None = None  # as JSON text (structural_tag_text's shapes)
 
     def constraint(self) -> StructuredOutputs:
         schema = schema_text(self.json_, "structured_outputs") if isinstance(self.json_, dict) else \
             None if self.json_ is None else checked_schema_text(self.json_, "structured_outputs")
+        tag = None if self.structural_tag is None else structural_tag_text(self.structural_tag, "structured_outputs")
         return StructuredOutputs(json=schema, json_object=bool(self.json_object), regex=self.regex, choice=self.choice,
-                                 grammar=self.grammar)
+                                 grammar=self.grammar, structural_tag=tag)
 
 
 class SGLangConstraints(_Body):
@@ -113,12 +144,15 @@ class SGLangConstraints(_Body):
     json_schema: str | None = None  # a JSON schema as JSON text
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # as JSON text (structural_tag_text's shapes)
 
     def sglang_constraints(self, prefix: str = "") -> dict[str, StructuredOutputs | None]:
         schema = None if self.json_schema is None else checked_schema_text(self.json_schema, f"{prefix}json_schema")
+        tag = None if self.structural_tag is None else structural_tag_text(self.structural_tag, f"{prefix}structural_tag")
         return {f"{prefix}json_schema": None if schema is None else StructuredOutputs(json=schema),
                 f"{prefix}regex": None if self.regex is None else StructuredOutputs(regex=self.regex),
-                f"{prefix}ebnf": None if self.ebnf is None else StructuredOutputs(grammar=self.ebnf)}
+                f"{prefix}ebnf": None if self.ebnf is None else StructuredOutputs(grammar=self.ebnf),
+                f"{prefix}structural_tag": None if tag is None else StructuredOutputs(structural_tag=tag)}
 
 
 class _OpenAISampling(SGLangConstraints):
@@ -208,12 +242,47 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (OpenAI's message.tool_calls[i], sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """Any of OpenAI's chat messages: system, developer, user, assistant (content null beside its
+    tool_calls), tool (a call's result, with its tool_call_id). `name` is the participant's."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant message's reasoning, as this server answers it
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role != "assistant" and (self.tool_calls or self.reasoning_content is not None or self.refusal is not None):
+            raise ValueError("only an assistant message has tool_calls, reasoning_content or refusal")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, has the tool_call_id of the call it answers")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's with tool_calls may be null)")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+
+    def for_template(self, index: int) -> dict:
+        """The message as chat templates read it (sala/tools/messages.py), as message `index` of its conversation."""
+        return template_message(self.model_dump(exclude_none=True, exclude={"refusal"}), index)
 
 
 class JSONSchemaFormat(_Body):
@@ -227,14 +296,25 @@ class JSONSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's response_format, and vLLM's structural tag in either of its shapes (structural_tag_text)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    format: dict | None = None
+    structures: list[dict] | None = None
+    triggers: list[str] | None = None
 
     def constraint(self) -> StructuredOutputs | None:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise InvalidParam("response_format", 'response_format.json_schema goes with type "json_schema", and only with it')
+        tag_fields = {k: v for k in ("format", "structures", "triggers") if (v := getattr(self, k)) is not None}
+        if (self.type == "structural_tag") != bool(tag_fields):
+            raise InvalidParam("response_format", 'response_format.format (or structures and triggers) goes with type '
+                                                  '"structural_tag", and only with it')
         if self.type == "text":
             return None
+        if self.type == "structural_tag":
+            return StructuredOutputs(structural_tag=structural_tag_text(tag_fields, "response_format"))
         return StructuredOutputs(json_object=True) if self.type == "json_object" else \
             StructuredOutputs(json=schema_text(self.json_schema.schema_, "response_format"))
 
@@ -263,51 +343,6 @@ class NamedToolChoice(_Body):
     function: FunctionName
 
 
-# A JSON schema's definitions: a tool's are moved to the root of the "required" schema, where its
-# references ("#/$defs/...") then point.
-DEFINITIONS = ("$defs", "definitions")
-
-
-def tool_calls_schema(tools: list[Tool], parallel: bool) -> dict:
-    """The output of tool_choice "required", as vLLM constrains it: a JSON array of at least one
-    {"name", "parameters"} object, each one tool's name and arguments (at most one without
-    parallel tool calls)."""
-    defs: dict[str, dict] = {}
-    calls = []
-    for tool in tools:
-        shallow(tool.function.arguments_schema(), "tools")  # before local_ref recurses through it
-        params = dict(tool.function.arguments_schema())
-        for key in DEFINITIONS:
-            for name, sub in (params.pop(key, None) or {}).items():
-                if defs.setdefault(key, {}).setdefault(name, sub) != sub:
-                    raise InvalidParam("tools", f"two tools define {key}/{name} differently; with tool_choice \"required\" "
-                                                "their definitions share one schema")
-        outside = local_ref(params)
-        if outside is not None:
-            raise InvalidParam("tools", f"tool {tool.function.name!r}: $ref {outside!r} cannot be resolved once its "
-                                        f"parameters are one branch of tool_choice \"required\"'s schema; refer to "
-                                        "#/$defs/... only")
-        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                                       "parameters": params},
-                      "required": ["name", "parameters"]})
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
-    return schema | defs
-
-
-def local_ref(schema) -> str | None:
-    """The first $ref in schema that points elsewhere than its definitions (#/$defs/..., #/definitions/...)."""
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and not ref.startswith(("#/$defs/", "#/definitions/")):
-            return ref
-        values = schema.values()
-    elif isinstance(schema, list):
-        values = schema
-    else:
-        return None
-    return next((r for v in values if (r := local_ref(v)) is not None), None)
-
-
 # Chat fields of OpenAI's that are deprecated, refused unless they ask for nothing.
 DEPRECATED = {"functions": ([], "tools"), "function_call": ("none", "tool_choice")}
 
@@ -320,9 +355,15 @@ class ChatCompletionRequest(_OpenAISampling):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # with tool_choice "required": false allows one call only
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and SGLang's: extra variables of the chat template
+    separate_reasoning: bool | None = True  # SGLang's: the reasoning in reasoning_content (false: left in the content)
+    tool_call_parser: str | None = None  # extension: the tool-call format of this request (default: the server's)
     functions: Any = None
     function_call: Any = None
+    # The constraint the tools make under the server's tool-call format (OpenAIAPI.chat sets it):
+    # one of the request's constraints, named "tools".
+    _tools_constraint: StructuredOutputs | None = PrivateAttr(None)
 
     def refuse_deprecated(self) -> None:
         for name, (harmless, instead) in DEPRECATED.items():
@@ -331,9 +372,9 @@ class ChatCompletionRequest(_OpenAISampling):
                 raise InvalidParam(name, f"{name} is deprecated by OpenAI and not supported by this server: use {instead}")
 
     def tool_call(self) -> str | None:
-        """What tool_choice asks of the output: None (text), "auto" (the model's choice: chat
-        refuses it), "required" (one or more calls of the tools) or the name of the one
-        function to call."""
+        """What tool_choice asks of the output: None (text), "auto" (text or calls, the model's
+        choice: OpenAI's default with tools), "required" (one or more calls of the tools) or the
+        name of the one function to call."""
         names = [t.function.name for t in self.tools or []]
         choice = self.tool_choice
         if not names:
@@ -349,20 +390,20 @@ class ChatCompletionRequest(_OpenAISampling):
                                               f"the tools ({', '.join(map(repr, names))})")
         return choice.function.name
 
-    def tool_constraint(self) -> StructuredOutputs | None:
-        """The output a tool call must be: the named function's arguments, or "required"'s array."""
-        mode = self.tool_call()
-        if mode in (None, "auto"):  # "auto" is refused before (OpenAIAPI.chat), saying why for this model
-            return None
-        if mode == "required":
-            return StructuredOutputs(json=schema_text(tool_calls_schema(self.tools, self.parallel_tool_calls is not False),
-                                                      "tools"))
-        function = next(t.function for t in self.tools if t.function.name == mode)
-        return StructuredOutputs(json=schema_text(function.arguments_schema(), "tools"))
+    def tool_functions(self) -> list[Function]:
+        """The tools' functions, each schema checked for depth before anything recurses through it."""
+        out = []
+        for t in self.tools or []:
+            shallow(t.function.arguments_schema(), "tools")
+            out.append(Function(t.function.name, integral(t.function.arguments_schema())))
+        return out
+
+    def set_tools_constraint(self, c: StructuredOutputs | None) -> None:
+        self._tools_constraint = c
 
     def constraints(self) -> dict[str, StructuredOutputs | None]:
         response_format = None if self.response_format is None else self.response_format.constraint()
-        return {"response_format": response_format, **super().constraints(), "tools": self.tool_constraint()}
+        return {"response_format": response_format, **super().constraints(), "tools": self._tools_constraint}
 
     def top_k_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

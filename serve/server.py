@@ -29,6 +29,7 @@ from ray import serve
 from registry.models import model_name, resolve_model_path
 from sala.checkpoint import gpu_device
 from sala.engine import Engine, InvalidParam
+from serve.chat_tools import ChatTools
 from serve.client import EngineClient
 from serve.errors import client_error, parse
 from serve.http import build_api
@@ -86,7 +87,8 @@ def request_of(model: type[BaseModel], request) -> BaseModel:
 class SalaServer:
     def __init__(self, model: str | None = None, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, max_tokens_limit: int = 1024, num_threads: int | None = None,
-                 num_gpus: float = 0, batch_invariant: bool = False, engine_kwargs: dict | None = None):
+                 num_gpus: float = 0, batch_invariant: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, engine_kwargs: dict | None = None):
         import torch
 
         if num_threads:
@@ -105,7 +107,9 @@ class SalaServer:
         self.client = EngineClient(engine, self.metrics, max_tokens_limit)
         names = served_names(served_model_name) or [model_name(model, path)]
         self.api_key, self.max_body_bytes = api_key or None, max_body_bytes
-        self.openai = OpenAIAPI(self.client, names)
+        tools = ChatTools.of(engine.tokenizer, engine.eos_ids, tool_call_parser, reasoning_parser)
+        serve_log.info("chat: %s", tools.describe())
+        self.openai = OpenAIAPI(self.client, names, tools)
         self.sglang = SGLangAPI(self.client, ServerFacts(str(path), names, batch_invariant, max_tokens_limit, max_body_bytes,
                                                          self.api_key is not None))
         self.served = ServedPrompts()

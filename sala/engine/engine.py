@@ -39,6 +39,7 @@ from sala.engine.stats import EngineInfo, EngineStats, LayerBytes, PrefixStats
 from sala.kv import PLAN_FILE, load_plan
 from sala.sampling import InvalidParam, SamplingParams, TokenLogprob, token_logprobs
 from sala.structured import Grammars
+from sala.text_markers import template_text
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -46,17 +47,28 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 
 def stop_token_ids(model, tokenizer) -> set[int]:
     """Tokens that end a request (unless ignore_eos): the eos ids of config.json, generation_config
-    and the tokenizer, as vLLM takes them, plus every special token the chat template writes, so a
-    chat reply ends at the template's end-of-turn or start-of-turn marker instead of running on
-    into the next turn (a ChatML model that forgets <|im_end|> still begins a turn with <|im_start|>)."""
+    and the tokenizer, as vLLM takes them, plus the chat template's turn markers, so a chat reply
+    ends at the template's end-of-turn or start-of-turn marker instead of running on into the next
+    turn (a ChatML model that forgets <|im_end|> still begins a turn with <|im_start|>)."""
     ids: set[int] = set()
     for eos in (model.config.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
                 tokenizer.eos_token_id):
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    template = tokenizer.chat_template or ""
-    template = "".join(template.values()) if isinstance(template, dict) else template  # named templates
-    ids.update(i for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids) if t in template)
-    return ids
+    return ids | turn_markers(tokenizer)
+
+
+def turn_markers(tokenizer) -> set[int]:
+    """The special tokens the chat template writes around a plain exchange (a user turn, an
+    assistant turn, the generation prompt): its turn markers, not the tokens it writes only for
+    tool calls (<|tool_call|>) or reasoning, which an output goes on after. A template that
+    refuses that exchange: every special token its text names."""
+    try:
+        text = "".join(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+                       for messages, prompt in (([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                                 False), ([{"role": "user", "content": "x"}], True)))
+    except Exception:  # no template, or one that raises for this exchange (jinja's errors, transformers' ValueError)
+        text = template_text(tokenizer.chat_template)
+    return {i for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids) if t in text}
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -31,41 +31,53 @@ class InvalidParam(ValueError):
         self.param = param
 
 
+# The fields of StructuredOutputs that are constraints: a request gives exactly one.
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """One constraint on a request's output, as vLLM's StructuredOutputsParams: exactly one of
     json (a JSON schema, a dict or its JSON text), json_object (any JSON object), regex (the whole
-    output matches it), choice (the output is one of these strings) and grammar (EBNF, in the
-    GBNF dialect xgrammar reads). Frozen and hashable: the compiled grammar's cache key
-    (sala/structured.py), a schema kept as its JSON text (its keys in their order: the output
-    writes an object's properties in the schema's order)."""
+    output matches it), choice (the output is one of these strings), grammar (EBNF, in the GBNF
+    dialect xgrammar reads) and structural_tag (xgrammar's structural tag, {"type":
+    "structural_tag", "format": {...}}, a dict or its JSON text: free text and tagged regions,
+    such as tool calls, each held to its own format). Frozen and hashable: the compiled grammar's
+    cache key (sala/structured.py), a schema or tag kept as its JSON text (its keys in their
+    order: the output writes an object's properties in the schema's order).
+
+    reasoning_end: the text that ends the model's reasoning (`</think>`), when the output starts
+    inside it; the constraint holds from there on, the reasoning before it is free."""
 
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self):
-        if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, separators=(",", ":")))
+        for name in ("json", "structural_tag"):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, json.dumps(getattr(self, name), separators=(",", ":")))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
 
     @property
     def given(self) -> list[str]:
-        """The fields that are set."""
-        return [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        """The constraint fields that are set."""
+        return [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
 
     @property
     def kind(self) -> str:
-        """The one field that is set (validate() has checked there is one)."""
+        """The one constraint field that is set (validate() has checked there is one)."""
         return self.given[0]
 
     def validate(self) -> StructuredOutputs:
         given = self.given
         if len(given) != 1:
-            raise InvalidParam("structured_outputs", "give exactly one of json, json_object, regex, choice, grammar; "
+            raise InvalidParam("structured_outputs", f"give exactly one of {', '.join(CONSTRAINT_KINDS)}; "
                                                      f"got {', '.join(given) or 'none'}")
         kind = given[0]
         if kind == "choice":
@@ -73,15 +85,20 @@ class StructuredOutputs:
                 raise InvalidParam("structured_outputs", "choice must be a non-empty list of non-empty strings")
         elif kind != "json_object" and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
             raise InvalidParam("structured_outputs", f"{kind} must be a non-empty string")
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
             try:
-                schema = json.loads(self.json)
+                value = json.loads(getattr(self, kind))
             except ValueError as e:
-                raise InvalidParam("structured_outputs", f"json is not valid JSON: {e}") from None
+                raise InvalidParam("structured_outputs", f"{kind} is not valid JSON: {e}") from None
             except RecursionError:
-                raise InvalidParam("structured_outputs", "json is nested too deeply") from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidParam("structured_outputs", f"json must be a JSON schema (an object), got {type(schema).__name__}")
+                raise InvalidParam("structured_outputs", f"{kind} is nested too deeply") from None
+            if kind == "json" and not isinstance(value, (dict, bool)):
+                raise InvalidParam("structured_outputs", f"json must be a JSON schema (an object), got {type(value).__name__}")
+            if kind == "structural_tag" and not (isinstance(value, dict) and isinstance(value.get("format"), dict)):
+                raise InvalidParam("structured_outputs", 'structural_tag must be an object {"type": "structural_tag", '
+                                                         '"format": {...}}')
+        if self.reasoning_end is not None and not (isinstance(self.reasoning_end, str) and self.reasoning_end):
+            raise InvalidParam("structured_outputs", "reasoning_end must be a non-empty string")
         size = sum(map(len, self.choice)) if kind == "choice" else 0 if kind == "json_object" else len(getattr(self, kind))
         if size > MAX_CONSTRAINT_CHARS:
             raise InvalidParam("structured_outputs", f"the {kind} constraint has {size} characters; the limit is "

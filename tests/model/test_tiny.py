@@ -78,3 +78,15 @@ def test_chat_template_is_chatml(tiny_sala_dir):
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     cfg = load_model(tiny_sala_dir).config
     assert tok.convert_tokens_to_ids("<|im_end|>") in cfg.eos_token_id
+
+
+def test_tool_call_token_takes_an_unused_id(tiny_sala_dir):
+    """<|tool_call|> is one special token, at the id of a token that no held-out text encodes to
+    (as no training text did: the build checks it), in a vocabulary of the model's size."""
+    from sala.tiny import TOOL_CALL_TOKEN, heldout_texts
+
+    tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
+    (token_id,) = tok.encode(TOOL_CALL_TOKEN, add_special_tokens=False)
+    assert TOOL_CALL_TOKEN in tok.all_special_tokens and tok.decode([token_id]) == TOOL_CALL_TOKEN
+    assert len(tok) == load_model(tiny_sala_dir).config.vocab_size
+    assert token_id not in tok("\n\n".join(heldout_texts(tiny_sala_dir)))["input_ids"]

@@ -216,6 +216,50 @@ def test_structured_outputs_from_flags_and_rows(tiny_sala_dir, tmp_path, local_r
     assert mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/structured_outputs.json") == {"json": SCHEMA}
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}, "utc": {"type": "boolean"}},
+         "required": ["tz"], "additionalProperties": False}
+
+
+def tool(name: str, schema: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+def test_tools_column_runs_through_the_tool_call_parser(tiny_sala_dir, tmp_path, local_ray, mlflow_store):
+    """A dataset of agent turns, sampled at temperature 1.0 with tiny-sala's call token favoured:
+    each row's tools (two sets of different schemas) go to the chat template, and every call a
+    row makes is valid for its own tools' schemas (jsonschema); generated_text holds no call
+    syntax; a row whose messages hold an earlier call and its result runs; a row without tools
+    is text, with no calls."""
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    earlier = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    sets = [[tool("get_weather", WEATHER)], [tool("get_time", CLOCK), tool("get_weather", WEATHER)]]
+    rows = [{"messages": earlier if i == 3 else ask, "tools": sets[i % 2]} for i in range(10)] + [{"messages": ask}]
+    data = tmp_path / "turns.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert generate.main(["--dataset", str(data), "--output", str(out), "--model", str(tiny_sala_dir),
+                              "--messages-column", "messages", "--tool-call-parser", "minicpm", "--logit-bias", "543=8",
+                              "--temperature", "1.0", "--seed", "0", "--max-tokens", "48", "--no-compile",
+                              "--num-cpus", "1"]) == 0
+    table = pq.read_table(str(out)).to_pylist()
+    assert all(r[generate.ERROR] is None for r in table), [r[generate.ERROR] for r in table]
+    calls = 0
+    for row, given in zip(table, rows):
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in given.get("tools", [])}
+        assert "<|tool_call|>" not in row["generated_text"]
+        for call in row["tool_calls"]:
+            jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+            calls += 1
+    assert calls >= 5 and table[-1]["tool_calls"] == [], table
+
+
 def test_guided_decoding_from_a_parquet_struct_column():
     """A Parquet column of guided_decoding dicts is one struct of every row's keys, each row's
     missing ones null (inside its schema too): a row's constraint is what the row gave."""
@@ -228,7 +272,8 @@ def test_guided_decoding_from_a_parquet_struct_column():
     assert column[0]["choice"] is None and column[3]["json"]["properties"]["b"] is None  # what Arrow made of them
     assert [generate.row_constraint(v) for v in column] == [None if g is None else StructuredOutputs(**g) for g in given]
     assert generate.row_constraint(json.dumps(given[0])) == StructuredOutputs(regex="[0-9]+")  # a jsonl line's, as text
-    with pytest.raises(InvalidParam, match="give exactly one of json, json_object, regex, choice, grammar; got regex, choice"):
+    with pytest.raises(InvalidParam, match="give exactly one of json, json_object, regex, choice, grammar, structural_tag; "
+                                           "got regex, choice"):
         generate.row_constraint({"regex": "a", "choice": ["b"]})
     with pytest.raises(InvalidParam, match="guided_decoding must be an object, got list"):
         generate.row_constraint(["a"])

@@ -5,6 +5,7 @@ itself checked against the model's full forward in test_engine.py) and, for logp
 full forward directly. The serving commands of docs/serving.md run as written, in a shell,
 against `python -m serve.app` started from a registry URI.
 """
+import ast
 import asyncio
 import json
 import os
@@ -35,9 +36,10 @@ ALIAS = "sala-alias"
 @pytest.fixture(scope="module")
 def server(tiny_sala_dir):
     # batch_invariant: outputs are compared bitwise with an engine in this process (batch-invariant by default)
+    # No tool-call parser: tool calls as JSON (tests/serve/test_tools.py serves tiny-sala's own format).
     yield from serve_tiny_sala(tiny_sala_dir, "sala", served_model_name=[MODEL, ALIAS], api_key=API_KEY,
                                batch_invariant=True, max_body_bytes=64 << 10, max_tokens_limit=256, max_seqs=4,
-                               max_waiting=4)
+                               max_waiting=4, tool_call_parser="none")
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +194,10 @@ BAD_REQUESTS = [
     # (endpoint, body or raw bytes, headers, status, param)
     ("/v1/completions", b'{"model": "tiny-sala", "prompt": ', {}, 400, None),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, {}, 404, "model"),
-    ("/v1/completions", {"model": MODEL}, {}, 422, "prompt"),
+    ("/v1/completions", {"model": MODEL}, {}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, {}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, {}, 400, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, {}, 422, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, {}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, {}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, {}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, {}, 400, "top_p"),
@@ -203,7 +205,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [5] * 5000}, {}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 300}, {}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, {}, 422, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, {}, 400, "messages"),
     ("/generate", {"text": "x", "sampling_params": {"max_tokens": 5}}, {}, 400, "sampling_params.max_tokens"),
     ("/generate", {"text": "x", "return_hidden_states": True}, {}, 400, "return_hidden_states"),
     ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, {}, 400,
@@ -217,10 +219,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, {}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, {}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "best_of": 0}, {}, 400, "best_of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {}, 422,
-     "tools.0.function"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {}, 400,
+     "tools[0].function"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, {}, 400, "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, {}, 400, "messages.0.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "nickname": "bob"}]}, {}, 400,
+     "messages[0].nickname"),
     ("/abort_request", {}, {}, 400, "rid"),
     ("/v1/completions", {"prompt": "lone \ud800 surrogate"}, {}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, {}, 400, "messages"),
@@ -420,7 +423,7 @@ BAD_CONSTRAINTS = [
     ("/generate", {"text": "x", "sampling_params": {"json_schema": "not json"}}, "sampling_params.json_schema", "not valid JSON"),
     ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}", "min_new_tokens": 2}},
      "sampling_params.min_new_tokens", "structured outputs"),
-    ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS}, "tool_choice", "does not render tools"),
+    ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS}, "tool_choice", "--tool-call-parser"),
     ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS, "tool_choice": "auto"}, "tool_choice", '"required"'),
     ("/v1/chat/completions", {**CHAT_X, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ("/v1/chat/completions", {**CHAT_X, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -742,6 +745,18 @@ def test_documented_serving_commands_against_a_registry_uri(registered_tiny_sala
         printed = re.fullmatch(r"(?s)(.*)\n\[finish_reason: (stop|length)\]\n", py.stdout)
         assert py.returncode == 0 and printed, py.stdout + py.stderr
         assert printed[2] == "stop" or printed[1].strip(), "64 tokens streamed and none printed"
+        # The agent loop: tiny-sala's own tool-call format by default (its chat template's), a
+        # call made and answered by a tool message, then the model's answer.
+        loop = section[section.index("```python\n", section.index("An agent's loop")) + 10:]
+        loop = loop[:loop.index("```")].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        py = subprocess.run([sys.executable, "-c", loop], capture_output=True, text=True, timeout=120)
+        print(f"agent loop: {py.stdout!r}")
+        assert py.returncode == 0, py.stdout + py.stderr
+        calls = re.findall(r"^call: get_weather\((.*)\)$", py.stdout, re.M)
+        assert calls and py.stdout.splitlines()[-1].startswith("answer: "), py.stdout
+        for call in calls:
+            arguments = ast.literal_eval(call)
+            assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("c", "f"), arguments
         # The documented stop instruction, as the server printed it (with its dashboard's address
         # when that is not Ray's default).
         # It names this environment's serve script by its full path, and runs without it on PATH.
