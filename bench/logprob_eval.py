@@ -9,8 +9,10 @@
 2. Ranking: tiny-sala's NVFP4 variants (RTN / GPTQ x M6 / FourOverSix), quantized as
    `python -m sala.quant` does and loaded back, scored with the logprob tool against a BF16
    baseline (engine, evaluation mode, built-in prompt set) and by held-out perplexity; the
-   Spearman rank correlation of the two orderings; and a deliberately broken checkpoint, the
-   figures the quantize pipeline's registry gate thresholds come from. Beside them the cache
+   Spearman rank correlation of the two orderings; and a deliberately broken checkpoint. The
+   quantize pipeline's gate (pipelines/evaluate.py's score_checkpoint: the same prompts, each
+   teacher-forced as it is, one layer at a time) scores each variant too: the figures its
+   thresholds come from. Beside them the cache
    plans on the BF16 weights (all-FP8, all-NVFP4, all-NVFP4-4/6, and the mixed plan of the
    published recipe: the first and last sparse layers FP8, the others NVFP4-4/6; K/V scales
    calibrated on the calibration rows): the engine serving the plan scored the same way, and
@@ -110,7 +112,7 @@ def bench_ranking(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from pipelines.evaluate import builtin_rows, tokenize_prompts
+    from pipelines.evaluate import builtin_rows, score_checkpoint, tokenize_prompts
     from sala.checkpoint import load_model
     from sala.eval.calibration import calibration_sequences
     from sala.eval.compare import compare_models, window_sequences
@@ -136,16 +138,19 @@ def bench_ranking(args) -> dict:
     baseline_s = time.perf_counter() - t0
     rows = []
 
-    def add_row(variant, test, candidate):
+    def add_row(variant, test, candidate, path=None):
         t0 = time.perf_counter()
         s = lp.compare(base, test, 8).summary()
         score_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         q = compare_models(reference, candidate, windows)
         ppl_s = time.perf_counter() - t0
+        gate = score_checkpoint(path, model_dir, num_prompts=64) if path is not None else {}
         rows.append({"variant": variant, "logprob_kl": s["kl_mean"], "kl_p99": s["kl_p99"], "flip_rate": s["flip_rate"],
                      "cosine": s["cosine_mean"], "ppl": q["ppl"],
-                     "ppl_bf16": q["ppl_reference"], "full_kl": q["kl_mean"], "score_s": score_s, "ppl_s": ppl_s})
+                     "ppl_bf16": q["ppl_reference"], "full_kl": q["kl_mean"], "score_s": score_s, "ppl_s": ppl_s,
+                     "gate_kl": gate.get("kl_mean"), "gate_flip_rate": gate.get("flip_rate"),
+                     "gate_cosine": gate.get("cosine_mean")})
         print(f"  {variant}: logprob KL {s['kl_mean']:.5f}, ppl {q['ppl']:.3f}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,7 +161,7 @@ def bench_ranking(args) -> dict:
             quantized, _ = quantize_model(source, seqs, method, rule)
             path = export_checkpoint(model, quantized, Path(tmp) / variant.replace("/", "over"), tokenizer, scale_rule=rule,
                                      method=method)
-            add_row(variant, EngineSource.from_pretrained(path), load_model(path, dtype=torch.float32))
+            add_row(variant, EngineSource.from_pretrained(path), load_model(path, dtype=torch.float32), path)
     amax = calibrate_amax(reference, seqs[:8])
     for variant, (kv, ends) in PLANS.items():
         plan = cache_plan(model.config, amax, kv, ends)
@@ -166,10 +171,12 @@ def bench_ranking(args) -> dict:
     print(f"\nBF16 baseline: {len(base.sequences)} prompts, {len(base.top_ids)} positions x top-{base.top_ids.shape[1]} "
           f"({baseline_s:.1f} s); perplexity on {windows[:, 1:].numel()} held-out tokens (BF16 {rows[0]['ppl_bf16']:.3f})")
     print(f"{'variant':<14}{'logprob KL':>12}{'KL p99':>10}{'flips':>8}{'cosine':>10}{'ppl':>10}{'held-out KL':>13}"
-          f"{'score s':>9}{'ppl s':>8}")
+          f"{'score s':>9}{'ppl s':>8}{'gate KL':>10}{'flips':>8}{'cosine':>9}")
     for r in rows:
+        gate = (f"{r['gate_kl']:>10.5f}{r['gate_flip_rate']:>8.2%}{r['gate_cosine']:>9.4f}" if r["gate_kl"] is not None
+                else f"{'-':>10}{'-':>8}{'-':>9}")
         print(f"{r['variant']:<14}{r['logprob_kl']:>12.5f}{r['kl_p99']:>10.4f}{r['flip_rate']:>8.2%}{r['cosine']:>10.5f}"
-              f"{r['ppl']:>10.3f}{r['full_kl']:>13.5f}{r['score_s']:>9.2f}{r['ppl_s']:>8.2f}")
+              f"{r['ppl']:>10.3f}{r['full_kl']:>13.5f}{r['score_s']:>9.2f}{r['ppl_s']:>8.2f}{gate}")
     rho_ppl = spearman([r["logprob_kl"] for r in rows], [r["ppl"] for r in rows])
     rho_kl = spearman([r["logprob_kl"] for r in rows], [r["full_kl"] for r in rows])
     plans = [r for r in rows if r["variant"] in PLANS]

@@ -46,20 +46,19 @@ from sala.quant.export import MAX_SHARD_BYTES  # noqa: E402
 from sala.quant.memory import QuantizeMemory, quantize_memory  # noqa: E402
 from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
 
-# The registry gate: pipelines/evaluate.py's logprob comparison of the written checkpoint against
-# the BF16 model (engine in evaluation mode, built-in prompts, top-256 of the last 128 positions).
-# Measured on tiny-sala by bench/logprob_eval.py (64 calibration rows x 128 tokens):
+# The registry gate: pipelines/evaluate.py's score_checkpoint, the written checkpoint against its
+# source rounded to BF16 (built-in prompts, their first GATE_PROMPT_TOKENS each teacher-forced,
+# top-256 of the last 128 positions, one layer at a time). Measured on tiny-sala by
+# bench/logprob_eval.py (64 calibration rows x 128 tokens, 64 prompts):
 #                 mean KL   flips   cosine
-#   GPTQ-4/6      0.0116    9.7%    0.991    (this pipeline's default method)
-#   GPTQ-M6       0.0137    9.4%    0.989
-#   RTN-4/6       0.0147   10.7%    0.989
-#   RTN-M6        0.0168   11.4%    0.987
-#   broken        0.1129   29.4%    0.922    (GPTQ-4/6 of the weights + noise of 0.25 x their RMS)
-#   this pipeline, tests/pipelines/test_quantize_pipeline.py's run (GPTQ-4/6, 24 x 128 calibration, sequential):
-#                 0.0118    9.4%    0.991
-#   noise alone   0.1083   27.2%    0.926    (0.25 x RMS, not quantized: test_gate_refuses_a_broken_checkpoint)
-# The limits sit at ~2.6x the measured GPTQ-4/6 KL (room for calibration sets and seeds) and ~4x
-# below the broken checkpoint's; the old `KL <= 0.5` passed a KL 43x the measured one.
+#   GPTQ-4/6      0.0119    9.8%    0.991    (this pipeline's default method)
+#   GPTQ-M6       0.0143    9.9%    0.989
+#   RTN-4/6       0.0152   10.8%    0.988
+#   RTN-M6        0.0179   11.7%    0.987
+#   broken        0.1178   30.2%    0.919    (GPTQ-4/6 of the weights + noise of 0.25 x their RMS)
+#   noise alone   0.1109   26.9%    0.925    (0.25 x RMS, not quantized, 32 prompts: test_gate_refuses_a_broken_checkpoint)
+# The limits sit at ~2.5x the measured GPTQ-4/6 KL (room for calibration sets and seeds) and ~4x
+# below the broken checkpoint's.
 GATE = {"max_kl": 0.03, "max_flip_rate": 0.15, "min_cosine": 0.98}
 GATE_PROMPT_TOKENS = 96  # each gate prompt's first tokens, all scored but the first
 
