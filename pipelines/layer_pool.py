@@ -251,13 +251,16 @@ class LayerPool:
 
     # -- calls
     def run(self, jobs: list[Job], opts: dict, applied: list | None, on_done) -> None:
-        """Run `jobs`, each on a free actor; on_done(job, (blob, stats)) as each finishes. GPTQ
-        calls go to actors not past their layer (the lowest such layer first, within it the
-        costliest); RTN reads no inputs, so any actor takes the costliest. A call whose actor is
-        lost goes back to the queue."""
+        """Run `jobs`, each on a free actor, the lowest layer first and within it the costliest;
+        on_done(job, (blob, stats)) as each finishes. GPTQ calls go to actors not past their
+        layer (an actor moves forward only); RTN reads no inputs, so any actor takes any call. A
+        call whose actor is lost goes back to the queue."""
         import ray
 
-        queue = sorted(jobs, key=lambda j: -j.cost)
+        # Layer by layer, within a layer the costliest first: layers complete in order, each going
+        # to disk as it does, so the driver holds the results of the layers in flight only,
+        # whatever the model's depth (costliest first across all layers held part of every layer).
+        queue = sorted(jobs, key=lambda j: (j.layer, -j.cost))
         free, running = list(self.live), {}
         ordered = opts["method"] == "gptq"
         while queue or running:
@@ -265,7 +268,7 @@ class LayerPool:
                 eligible = [j for j in queue if not ordered or j.layer >= self.at[a]]
                 if not eligible:
                     continue
-                job = min(eligible, key=lambda j: j.layer) if ordered else eligible[0]  # min keeps the costliest first
+                job = eligible[0]
                 queue.remove(job)
                 free.remove(a)
                 if ordered:

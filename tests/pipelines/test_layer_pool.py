@@ -37,3 +37,39 @@ def test_hessians_sum_every_shard_in_order_and_match_a_float64_reference():
     assert not torch.equal(reordered["mlp_out"], got["mlp_out"])
     only = layer_hessians(layer, 1, shards, run, sites=("attn_out",))
     assert set(only) == {"attn_out"} and torch.equal(only["attn_out"], got["attn_out"])
+
+
+def test_calls_complete_layer_by_layer(tiny_sala_dir, local_ray):
+    """LayerPool.run on tiny-sala, RTN on 2 workers: the calls go out the lowest layer first, so a
+    layer with some of its results in the driver and others still to come is one of the two in
+    flight or the next to start: at most 3 at once, where costliest-first across all layers has
+    every layer part-done (the driver would hold part of every layer until the last finished)."""
+    import torch
+
+    from pipelines.layer_pool import Job, LayerPool
+    from sala.checkpoint import read_config
+    from sala.model import SALAForCausalLM
+    from sala.quant.layerwise import layer_groups
+    from sala.quant.memory import quantize_memory
+
+    config = read_config(tiny_sala_dir)
+    with torch.device("meta"):
+        layers = SALAForCausalLM(config).model.layers
+    jobs = []
+    for i, layer in enumerate(layers):
+        named = dict(layer.named_modules())
+        jobs += [Job(layer=i, group=g, module=m, site=site, cost=named[m].out_features * named[m].in_features)
+                 for site, groups in layer_groups(layer).items() for g in groups for m in g]
+    per_layer = {i: sum(j.layer == i for j in jobs) for i in range(len(layers))}
+    need = quantize_memory(config, 2, 16, 2, "rtn", 1 << 30, 64)
+    pool = LayerPool(tiny_sala_dir, torch.zeros(2, 16, dtype=torch.long), 2, 2, 0, need)
+    done, most_part_done = {}, 0
+
+    def on_done(job, out):
+        nonlocal most_part_done
+        done[job.layer] = done.get(job.layer, 0) + 1
+        most_part_done = max(most_part_done, sum(0 < n < per_layer[i] for i, n in done.items()))
+
+    pool.run(jobs, {"method": "rtn", "scale_rule": "4over6", "act_order": False, "damp": 0.01}, None, on_done)
+    assert done == per_layer and len(layers) >= 6
+    assert most_part_done <= 3, most_part_done
