@@ -133,7 +133,7 @@ def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens:
     depth, the trees each decode step used) are over its whole run. Sampled request i is seeded
     i."""
     from sala.engine import SamplingParams
-    from sala.engine.request import accept_length
+    from sala.medusa.accept import accept_length
 
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                              **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))

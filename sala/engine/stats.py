@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sala.engine.request import accept_length
+from sala.medusa.accept import accept_length
 
 
 @dataclass(frozen=True)
