@@ -9,14 +9,16 @@ running estimates, both from the decode steps the engine takes anyway: what each
 step takes (ms), and how much of what the heads' validation acceptance promised their drafts
 keep now (a scale on every tree's expected accept length 1 + sum of its paths' acceptance).
 A step takes the timed candidate with the most expected tokens per second, accept length / ms
-(plain decoding: 1 / ms). A candidate is timed once TIMED steps of it were: read from the disk
-cache (sala/engine/step_costs.py, which keeps the acceptance too), or measured at the first decode steps of the class (plain
-first, then the trees smallest first, until one does worse than STOP_BELOW the best so far:
-a larger tree costs more still); `Engine.warmup` runs those steps up front. Then
-EXPLORE_STEPS steps in every EXPLORE_EVERY take the runner-up, so that both estimates the
-choice turns on stay current. The first step after a change of candidate is not measured: a
-plain step right after verify steps runs slower (the verify's code and data displace it), and a
-verify right after plain steps reads drafts made tokens earlier (medusa_decoding.tree_drafts).
+(plain decoding: 1 / ms; a tree only at PLAIN_MARGIN times plain decoding's or more). A
+candidate is timed once TIMED of its steps were: read from the disk cache
+(sala/engine/step_costs.py, which keeps the acceptance too), or measured at the first decode
+steps of the class (plain first, then the trees smallest first, until one does worse than
+STOP_BELOW the best so far: a larger tree costs more still); `Engine.warmup` runs those steps
+up front. Then EXPLORE_STEPS steps in every EXPLORE_EVERY take the runner-up, every other time
+plain decoding where a tree is chosen, so that the estimates the choice turns on stay current.
+The first SETTLE steps after a change of candidate are not measured: a plain step right after
+verify steps runs slower (the verify's code and data displace it), and a verify right after
+plain steps reads drafts made tokens earlier (medusa_decoding.tree_drafts).
 medusa_nodes=N verifies the N-node candidate at every step, 0 never; medusa_max_batch caps the
 batch sizes that may verify.
 """
@@ -29,9 +31,14 @@ from sala.engine.stats import ChosenTree
 
 CANDIDATE_NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 TIMED = 3  # measured steps before a candidate's time counts
+# Steps of a candidate after a change before its steps are measured: a plain step right after verify
+# steps runs slower (on the 2-core VM at batch 1: 2.11, 1.98, 1.84, then 1.6-1.7 ms), and a verify
+# right after plain steps reads drafts made tokens earlier.
+SETTLE = 3
 STOP_BELOW = 0.85  # timing a class stops at the first tree expected below this share of the best so far
-EXPLORE_EVERY, EXPLORE_STEPS = 64, 3  # in a row, as the first step after a change is not measured
+EXPLORE_EVERY, EXPLORE_STEPS = 128, SETTLE + TIMED  # in a row
 WEIGHT = 1 / 16  # of a new step in a running estimate
+PLAIN_MARGIN = 1.1  # a tree is chosen over plain decoding where expected at this many times its tokens/s or more
 OUTLIER = 3.0  # a step past this many times the estimate is a pause (a recompile, the collector), not its cost
 
 
@@ -76,8 +83,8 @@ class TreeChoice:
         self.acceptance = {kind: Running(mean, round(1 / WEIGHT)) for kind, mean in (acceptance or {}).items()}
         self.force: int | None = None  # set while warmup compiles a step
         self.steps = 0
-        self.last: tuple | None = None  # the step before's (kind, size class, nodes), and the step in flight's
-        self.current: tuple | None = None
+        self.current: tuple | None = None  # the step in flight's (kind, size class, nodes)
+        self.run = 0  # steps of it in a row before the step in flight
 
     def __call__(self, n: int, kind: str, verifiable: bool = True) -> int:
         """The candidate a step of n decoding requests of this kind verifies (not verifiable: plain)."""
@@ -90,17 +97,28 @@ class TreeChoice:
             nodes = self.fixed
         else:
             nodes = self._choose(kind, size_class(n))
-        self.last, self.current = self.current, (kind, size_class(n), nodes)
+        step = (kind, size_class(n), nodes)
+        self.run = self.run + 1 if step == self.current else 0
+        self.current = step
         return nodes
 
     def _choose(self, kind: str, cls: int) -> int:
         untimed, rates = self.weigh(kind, cls)
         if untimed is not None:
             return untimed
-        best = max(rates, key=rates.get)
+        best = self.best(rates)
         if self.steps % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS and len(rates) > 1:
+            if best and self.steps // EXPLORE_EVERY % 2:
+                return 0  # plain decoding, what every tree is weighed against, every other time
             return max((n for n in rates if n != best), key=rates.get)  # the runner-up
         return best
+
+    @staticmethod
+    def best(rates: dict[int, float]) -> int:
+        """The candidate with the most expected tokens per ms; a tree only at PLAIN_MARGIN times plain
+        decoding's or more: plain steps measured among verify steps run slower than in a run of them."""
+        best = max(rates, key=rates.get)
+        return best if best == 0 or rates[best] >= PLAIN_MARGIN * rates[0] else 0
 
     def weigh(self, kind: str, cls: int) -> tuple[int | None, dict[int, float]]:
         """The candidate being timed at this class (None: every one that may pay is timed), and the
@@ -141,8 +159,8 @@ class TreeChoice:
         return 1.0 if prior is None else prior - 1
 
     def _measured(self) -> bool:
-        """Whether the step in flight is measured: chosen freely, and the same candidate as the step before."""
-        return self.force is None and self.last == self.current
+        """Whether the step in flight is measured: chosen freely, SETTLE steps into a run of its candidate."""
+        return self.force is None and self.run >= SETTLE
 
     def timed(self, ms: float) -> bool:
         """The step in flight (a decode step with no prompt work) took `ms`; whether that timed a candidate now."""
@@ -172,7 +190,7 @@ class TreeChoice:
         for kind, cls in sorted({(k, c) for k, c, _, _ in self.step_ms()}):
             untimed, rates = self.weigh(kind, cls)
             if untimed is None and rates:
-                nodes = max(rates, key=rates.get)
+                nodes = self.best(rates)
                 rows.append(ChosenTree(batch=cls, kind=kind, nodes=nodes, accept_length=self.accept_length(kind, nodes),
                                        speedup=rates[nodes] / rates[0]))
         return tuple(rows)

@@ -226,7 +226,7 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     for t in trees:
         key = (str(t.batch), t.kind)
         rates = medusa.choice.rates(t.kind, t.batch)
-        assert samples[("sala_spec_tree_nodes", *key)] == t.nodes == max(rates, key=rates.get)
+        assert samples[("sala_spec_tree_nodes", *key)] == t.nodes == medusa.choice.best(rates)
         assert samples[("sala_spec_expected_speedup", *key)] == pytest.approx(t.speedup) == rates[t.nodes] / rates[0]
     calls = []
     fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)  # a[0]: parents [T]
@@ -256,19 +256,19 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     with medusa.choice.forcing(4):
         engine.generate(prompts[:2], [SamplingParams(max_tokens=N_NEW, temperature=1, seed=i, ignore_eos=True) for i in (0, 1)])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    # With the choice left to itself, a decode step with no prompt work is timed when it takes the
-    # candidate the step before took (the forced steps above were not timed).
+    # With the choice left to itself, a decode step with no prompt work is timed SETTLE steps into
+    # a run of its candidate (the forced steps above were not timed).
     counts = {key: est.count for key, est in medusa.choice.ms.items()}
     steps = []
     schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: steps.append((s := schedule(), medusa.choice.last, medusa.choice.current)) or s
+    engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
     took = medusa.choice.timed
     timed_steps = []
     medusa.choice.timed = lambda ms: timed_steps.append(medusa.choice._measured()) or took(ms)
     out = engine.generate(prompts[:6], params)
     del engine.scheduler.schedule, medusa.choice.timed
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-    pure = [s for s, _, _ in steps if s.decodes and not s.prefills]
+    pure = [s for s in steps if s.decodes and not s.prefills]
     assert len(timed_steps) == len(pure) and sum(timed_steps) > N_NEW
     added = sum(est.count for est in medusa.choice.ms.values()) - sum(counts.values())
     assert added == sum(timed_steps)
@@ -318,17 +318,19 @@ MS = {0: 1.0, 1: 1.2, 2: 1.3, 4: 1.5, 8: 2.2, 16: 3.0}  # tokens/ms: 1, 1.25, 1.
 
 def test_tree_choice_times_plain_then_trees_smallest_first_and_never_verifies_an_untimed_tree():
     """Untimed, a class decodes plainly; then each tree, smallest first, takes TIMED measured steps
-    (the first after a change is not measured) until one does worse than STOP_BELOW of the best;
+    (the SETTLE first after a change are not measured) until one does worse than STOP_BELOW of the best;
     then every step takes the best timed candidate by accept length / ms, but EXPLORE_STEPS in
-    every EXPLORE_EVERY, which take the runner-up. The 16-node tree, past the stop, is never verified."""
-    from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, TIMED, TreeChoice
+    every EXPLORE_EVERY, which take the runner-up and plain decoding in turns. The 16-node tree,
+    past the stop, is never verified."""
+    from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, SETTLE, TIMED, TreeChoice
 
     choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None)
-    taken = run_choice(choice, MS, 2 * EXPLORE_EVERY)
-    walk = [n for n in (0, 1, 2, 4, 8) for _ in range(TIMED + 1)]
+    taken = run_choice(choice, MS, 3 * EXPLORE_EVERY)
+    walk = [n for n in (0, 1, 2, 4, 8) for _ in range(SETTLE + TIMED)]
     assert taken[: len(walk)] == walk and 16 not in taken
-    assert [t for i, t in enumerate(taken) if i >= len(walk)] == [
-        2 if (i + 1) % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS else 4 for i in range(len(walk), len(taken))]
+    explored = [(i + 1) // EXPLORE_EVERY % 2 if (i + 1) % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS else None
+                for i in range(len(walk), len(taken))]
+    assert taken[len(walk):] == [4 if e is None else 0 if e else 2 for e in explored] and {0, 1} <= set(explored)
     assert sorted(nodes for _, _, nodes, _ in choice.step_ms()) == [0, 1, 2, 4, 8]
     assert [(r.batch, r.kind, r.nodes) for r in choice.table()] == [(1, GREEDY, 4)]
     assert choice.table()[0].speedup == pytest.approx(2.1 / 1.5)
@@ -337,34 +339,41 @@ def test_tree_choice_times_plain_then_trees_smallest_first_and_never_verifies_an
 
 
 def test_tree_choice_follows_the_steps_it_takes():
-    """Both running estimates move with the steps: verify steps that keep half of what the heads'
+    """Both running estimates move with the steps: verify steps that keep 0.7 of what the heads'
     acceptance promised shrink every tree's expected accept length, and the choice goes to a
-    smaller tree; the chosen tree's steps getting dearer send it to the runner-up. The first step after a
-    change, forced steps (warmup's compiling) and pauses past OUTLIER times the estimate do not count."""
-    from sala.engine.tree_choice import OUTLIER, TreeChoice
+    smaller tree; the chosen tree's steps getting dearer send it to the next best. The first step
+    after a change, forced steps (warmup's compiling) and pauses past OUTLIER times the estimate
+    do not count."""
+    from sala.engine.tree_choice import OUTLIER, SETTLE, WEIGHT, TreeChoice
 
     choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None,
                         step_ms=[[GREEDY, 1, nodes, ms] for nodes, ms in MS.items()])
     assert choice(1, GREEDY) == 4  # read from the cache: timed, no walk
-    taken = run_choice(choice, MS, 120, kept=0.5)
-    assert choice.acceptance[GREEDY].mean == pytest.approx(0.5, abs=0.05) and taken[-1] == by_hand(choice, MS) == 2
+    taken = run_choice(choice, MS, 120, kept=0.7)
+    assert choice.acceptance[GREEDY].mean == pytest.approx(0.7, abs=0.05) and taken[-1] == by_hand(choice, MS) == 2
     dear = MS | {2: 3.0}
-    assert run_choice(choice, dear, 200, kept=0.5)[-1] == by_hand(choice, dear) == 1
+    assert run_choice(choice, dear, 200, kept=0.7)[-1] == by_hand(choice, dear) == 4
     assert choice.ms[GREEDY, 1, 2].mean > MS[2]  # one dear step was enough to leave it
-    before = choice.ms[GREEDY, 1, 1].mean
-    with choice.forcing(1):
+    before = choice.ms[GREEDY, 1, 4].mean
+    with choice.forcing(4):
         choice(1, GREEDY), choice.timed(100.0), choice(1, GREEDY), choice.timed(100.0)
-    assert choice.ms[GREEDY, 1, 1].mean == before
-    choice(1, GREEDY)
-    assert choice.current == choice.last
-    choice.timed(1e3)
-    assert choice.ms[GREEDY, 1, choice.current[2]].mean <= before * (1 + OUTLIER)
+    assert choice.ms[GREEDY, 1, 4].mean == before
+    for _ in range(SETTLE):  # the forced steps count as steps of its run
+        assert choice(1, GREEDY) == 4 and choice.run >= SETTLE
+        choice.timed(before)
+    choice.timed(1e3)  # counted as OUTLIER times the estimate
+    assert choice.ms[GREEDY, 1, 4].mean == pytest.approx(before + WEIGHT * (OUTLIER - 1) * before)
+    # Plain decoding is taken unless a tree is expected at PLAIN_MARGIN times its tokens/s.
+    assert TreeChoice.best({0: 1.0, 4: 1.05}) == 0 and TreeChoice.best({0: 1.0, 4: 1.15}) == 4
 
 
 def by_hand(choice, ms: dict[int, float]) -> int:
-    """The candidate with the most tokens per ms by `ms` and the choice's acceptance scale now."""
+    """The candidate with the most tokens per ms by `ms` and the choice's acceptance scale now, a
+    tree only at 1.1 times plain decoding's or more."""
     scale = choice.acceptance[GREEDY].mean
-    return max(ms, key=lambda n: (1 + scale * (PRIOR[n] - 1) if n else 1) / ms[n])
+    rates = {n: (1 + scale * (PRIOR[n] - 1) if n else 1) / t for n, t in ms.items()}
+    best = max(rates, key=rates.get)
+    return best if rates[best] >= 1.1 * rates[0] else 0
 
 
 def fresh_engine(base, heads, tok, **settings):
@@ -381,7 +390,7 @@ def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_secon
     from transformers import AutoTokenizer
 
     from sala.engine.medusa_decoding import TreeVerify
-    from sala.engine.tree_choice import TIMED
+    from sala.engine.tree_choice import SETTLE, TIMED
 
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     params = SamplingParams(max_tokens=4 * N_NEW, temperature=0, ignore_eos=True)
@@ -398,7 +407,7 @@ def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_secon
     assert decodes[0] == (0, 0)
     timed = {nodes for kind, cls, nodes, _ in choice.step_ms() if (kind, cls) == (GREEDY, 1)}
     walk = [nodes for nodes, untimed in decodes if untimed is not None]
-    assert walk == sorted(walk) and walk[: TIMED + 1] == [0] * (TIMED + 1)  # plain first, then trees smallest first
+    assert walk == sorted(walk) and walk[: SETTLE + TIMED] == [0] * (SETTLE + TIMED)  # plain, then trees smallest first
     for nodes, untimed in decodes:  # every tree verified was timed, or was the one being timed
         assert nodes == untimed or nodes in timed
     assert choice.untimed(GREEDY, 1) is None and 0 in timed and len(timed) >= 2
@@ -410,7 +419,7 @@ def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_secon
     assert again.kept() == pytest.approx(saved["acceptance"]) and GREEDY in saved["acceptance"]
     untimed, rates = again.weigh(GREEDY, 1)  # the choice made: the best timed candidate (or a larger tree's timing)
     assert 0 in rates and untimed != 0
-    first = untimed if untimed is not None else max(rates, key=rates.get)
+    first = untimed if untimed is not None else again.best(rates)
     assert second.decoding.for_step([second.add_request(prompts[0], params)]).rows == first + 1
     assert fresh_engine(base, heads, tok, max_seqs=2).decoding.choice.step_ms() == []  # another key
     for bad in ("{not json", json.dumps({"key": {"other": 1}, "step_ms": [["greedy", 1, 0, 1.0]], "acceptance": {}}),
