@@ -56,7 +56,7 @@ from sala.medusa.tree import MedusaTree, build_tree, by_acceptance, expected_acc
 from sala.sampling import InvalidParam, SamplingParams, inverse_cdf, sample, token_logprobs, uniforms
 
 log = logging.getLogger(__name__)
-WARMUP_TOKENS, WARMUP_RUNS = 32, 8  # a warmup generate's tokens; the most of them a batch size and kind takes
+WARMUP_TOKENS, WARMUP_RUNS = 64, 8  # a warmup request's prompt and output tokens; the most runs a class and kind takes
 
 # What a verify step accepts by (`step_kind`).
 GREEDY = "greedy"  # greedy requests without logprobs or a grammar: argmaxes alone
@@ -101,7 +101,7 @@ class MedusaDecoding:
             self.verifies[n] = TreeVerify(self, tree, graphs or own, levels=not shared)
         fixed = None if config.medusa_nodes == "auto" else config.medusa_nodes
         self.costs = StepCosts(cost_key(config, heads.config, param.dtype)) if fixed is None else None
-        times, kept = self.costs.load() if self.costs else ([], {})
+        times, kept = self.costs.load() if self.costs else ([], [])
         self.choice = TreeChoice(prior={n: expected_accept_length(acceptance, order[:n]) if acceptance else None
                                         for n in sizes},
                                  max_batch=config.medusa_max_batch, fixed=fixed, step_ms=times, acceptance=kept)
@@ -209,7 +209,11 @@ class MedusaDecoding:
         choice = self.choice
         if choice.fixed is not None or not choice.prior:
             return
-        acceptance = dict(choice.acceptance)  # what the warmup prompt's drafts keep says nothing of traffic's
+        # What the warmup prompt's drafts keep says nothing of traffic's: the walk weighs the trees by
+        # the acceptance as it was (the heads' validation figures, or what the disk cache kept). Its
+        # requests are as long as traffic's (the cost of a verify grows with the context).
+        acceptance = choice.kept()
+        long_prompt = (prompt * WARMUP_TOKENS)[:WARMUP_TOKENS]
         cap = min(self.config.max_seqs, self.config.max_seqs if choice.max_batch is None else choice.max_batch)
         for n in (1 << i for i in range(cap.bit_length())):
             pays = False
@@ -218,11 +222,12 @@ class MedusaDecoding:
                 for _ in range(WARMUP_RUNS):
                     if choice.untimed(kind, n) is None:
                         break
-                    engine.generate([prompt] * n, p)
+                    engine.generate([long_prompt] * n, p)
+                    choice.acceptance = {}
+                    choice.learned(acceptance)
                 pays |= any(t.nodes for t in choice.table() if (t.kind, t.batch) == (kind, n))
             if not pays:
                 break
-        choice.acceptance = acceptance
         log.info(self.describe())
 
 

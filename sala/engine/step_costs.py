@@ -56,27 +56,27 @@ class StepCosts:
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
         self.path = (home or sala_home()) / "step_costs" / f"{digest}.json"
 
-    def load(self) -> tuple[list[list], dict[str, float]]:
+    def load(self) -> tuple[list[list], list[list]]:
         """The step times ([kind, size class, nodes, ms] rows: TreeChoice.step_ms) and acceptance
         scales (TreeChoice.kept) kept; none when there is no file, or it cannot be used."""
         if not self.path.is_file():
-            return [], {}
+            return [], []
         try:
             data = json.loads(self.path.read_text())
             if data["key"] != self.key:
                 raise ValueError("it holds another key")
             times = [[str(kind), int(cls), int(nodes), float(ms)] for kind, cls, nodes, ms in data["step_ms"]]
-            kept = {str(kind): float(scale) for kind, scale in data["acceptance"].items()}
-            if not all(ms > 0 for *_, ms in times) or not all(scale >= 0 for scale in kept.values()):
+            kept = [[str(kind), int(nodes), float(scale)] for kind, nodes, scale in data["acceptance"]]
+            if not all(ms > 0 for *_, ms in times) or not all(scale >= 0 for *_, scale in kept):
                 raise ValueError("a step time or acceptance is out of range")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring the Medusa step costs in %s (%s: %s); measuring them again", self.path,
                         type(e).__name__, e)
-            return [], {}
+            return [], []
         log.info("Medusa step costs read from %s", self.path)
         return times, kept
 
-    def save(self, times: list[list], kept: dict[str, float]) -> None:
+    def save(self, times: list[list], kept: list[list]) -> None:
         """Write them (atomically: a reader sees the old file or the new one); a failure is logged."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

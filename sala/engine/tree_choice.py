@@ -6,8 +6,9 @@ by_acceptance): each is the best tree of its size, they are nested, and any step
 of them (a request's drafts are the heads' top-k at every depth, whatever tree reads them). For
 each kind of batch (`step_kind`) and batch size class (1, 2, 4, 8, ...) the choice keeps two
 running estimates, both from the decode steps the engine takes anyway: what each candidate's
-step takes (ms), and how much of what the heads' validation acceptance promised their drafts
-keep now (a scale on every tree's expected accept length 1 + sum of its paths' acceptance).
+step takes (ms), and how many tokens each tree's verify steps yield (its accept length; until a
+tree has verified, the heads' validation figure for it, 1 + the sum of its paths' acceptance,
+scaled as the other trees' steps found theirs).
 A step takes the timed candidate with the most expected tokens per second, accept length / ms
 (plain decoding: 1 / ms; a tree only at PLAIN_MARGIN times plain decoding's or more). A
 candidate is timed once TIMED of its steps were: read from the disk cache
@@ -73,14 +74,15 @@ class TreeChoice:
     """Which candidate (by node count; 0: plain decoding) a step verifies: see the module docstring."""
 
     def __init__(self, prior: dict[int, float | None], max_batch: int | None, fixed: int | None,
-                 step_ms: list[list] = (), acceptance: dict[str, float] | None = None):
+                 step_ms: list[list] = (), acceptance: list[list] = ()):
         self.prior = prior  # candidate -> its expected accept length (None: not measured with the heads)
         self.candidates = [0, *sorted(prior)]
         self.max_batch, self.fixed = max_batch, fixed
         # (kind, size class, nodes) -> its steps' ms; `step_ms` rows (the disk cache's) count as timed
         self.ms = {(kind, cls, nodes): Running(ms, TIMED) for kind, cls, nodes, ms in step_ms}
-        # kind -> drafts kept / drafts the priors expected, a verify step; `acceptance` (the disk cache's) as a full mean
-        self.acceptance = {kind: Running(mean, round(1 / WEIGHT)) for kind, mean in (acceptance or {}).items()}
+        # (kind, nodes) -> drafts its verify steps kept / drafts the priors expected; (kind, 0): every tree's
+        self.acceptance: dict[tuple[str, int], Running] = {}
+        self.learned(acceptance)
         self.force: int | None = None  # set while warmup compiles a step
         self.steps = 0
         self.current: tuple | None = None  # the step in flight's (kind, size class, nodes)
@@ -149,7 +151,8 @@ class TreeChoice:
         """Tokens a request's step of the candidate is expected to yield now."""
         if not nodes:
             return 1.0
-        scale = self.acceptance[kind].mean if kind in self.acceptance else 1.0
+        own, pooled = self.acceptance.get((kind, nodes)), self.acceptance.get((kind, 0))
+        scale = own.mean if own and own.count >= TIMED else pooled.mean if pooled else 1.0
         return 1 + scale * self._expected_drafts(nodes)
 
     def _expected_drafts(self, nodes: int) -> float:
@@ -174,15 +177,21 @@ class TreeChoice:
         """The verify step in flight kept `accepted` drafts of `requests` requests."""
         if self._measured():
             kind, _, nodes = self.current
-            self.acceptance.setdefault(kind, Running()).add(accepted / (requests * self._expected_drafts(nodes)))
+            scale = accepted / (requests * self._expected_drafts(nodes))
+            for key in ((kind, nodes), (kind, 0)):
+                self.acceptance.setdefault(key, Running()).add(scale)
 
     def step_ms(self) -> list[list]:
         """[kind, size class, nodes, ms] of each timed candidate: what the disk cache keeps, with `kept`."""
         return [[*key, est.mean] for key, est in sorted(self.ms.items()) if est.count >= TIMED]
 
-    def kept(self) -> dict[str, float]:
-        """The acceptance scale of each kind of batch measured so far."""
-        return {kind: est.mean for kind, est in self.acceptance.items()}
+    def learned(self, acceptance: list[list]) -> None:
+        """Take these acceptance scales (`kept`'s rows, from the disk cache) as full running means."""
+        self.acceptance |= {(kind, nodes): Running(mean, round(1 / WEIGHT)) for kind, nodes, mean in acceptance}
+
+    def kept(self) -> list[list]:
+        """[kind, nodes, scale] of each acceptance measured so far (nodes 0: every tree's)."""
+        return [[*key, est.mean] for key, est in sorted(self.acceptance.items())]
 
     def table(self) -> tuple[ChosenTree, ...]:
         """The choice now at each class and kind whose timing is done, outside exploration."""

@@ -350,7 +350,7 @@ def test_tree_choice_follows_the_steps_it_takes():
                         step_ms=[[GREEDY, 1, nodes, ms] for nodes, ms in MS.items()])
     assert choice(1, GREEDY) == 4  # read from the cache: timed, no walk
     taken = run_choice(choice, MS, 120, kept=0.7)
-    assert choice.acceptance[GREEDY].mean == pytest.approx(0.7, abs=0.05) and taken[-1] == by_hand(choice, MS) == 2
+    assert choice.acceptance[GREEDY, 0].mean == pytest.approx(0.7, abs=0.05) and taken[-1] == by_hand(choice, MS) == 2
     dear = MS | {2: 3.0}
     assert run_choice(choice, dear, 200, kept=0.7)[-1] == by_hand(choice, dear) == 4
     assert choice.ms[GREEDY, 1, 2].mean > MS[2]  # one dear step was enough to leave it
@@ -370,7 +370,7 @@ def test_tree_choice_follows_the_steps_it_takes():
 def by_hand(choice, ms: dict[int, float]) -> int:
     """The candidate with the most tokens per ms by `ms` and the choice's acceptance scale now, a
     tree only at 1.1 times plain decoding's or more."""
-    scale = choice.acceptance[GREEDY].mean
+    scale = choice.acceptance[GREEDY, 0].mean
     rates = {n: (1 + scale * (PRIOR[n] - 1) if n else 1) / t for n, t in ms.items()}
     best = max(rates, key=rates.get)
     return best if rates[best] >= 1.1 * rates[0] else 0
@@ -416,13 +416,13 @@ def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_secon
     saved = json.loads(path.read_text())  # as they were when the last candidate became timed
     again = second.decoding.choice
     assert again.step_ms() == saved["step_ms"] and [r[:3] for r in saved["step_ms"]] == [r[:3] for r in choice.step_ms()]
-    assert again.kept() == pytest.approx(saved["acceptance"]) and GREEDY in saved["acceptance"]
+    assert again.kept() == saved["acceptance"] and [GREEDY, 0] in [r[:2] for r in saved["acceptance"]]
     untimed, rates = again.weigh(GREEDY, 1)  # the choice made: the best timed candidate (or a larger tree's timing)
     assert 0 in rates and untimed != 0
     first = untimed if untimed is not None else again.best(rates)
     assert second.decoding.for_step([second.add_request(prompts[0], params)]).rows == first + 1
     assert fresh_engine(base, heads, tok, max_seqs=2).decoding.choice.step_ms() == []  # another key
-    for bad in ("{not json", json.dumps({"key": {"other": 1}, "step_ms": [["greedy", 1, 0, 1.0]], "acceptance": {}}),
+    for bad in ("{not json", json.dumps({"key": {"other": 1}, "step_ms": [["greedy", 1, 0, 1.0]], "acceptance": []}),
                 json.dumps(saved | {"step_ms": [["greedy", 1, 0, -1.0]]})):
         path.write_text(bad)
         caplog.clear()
