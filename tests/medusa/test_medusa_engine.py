@@ -363,6 +363,11 @@ def test_tree_choice_follows_the_steps_it_takes():
         choice.timed(before)
     choice.timed(1e3)  # counted as OUTLIER times the estimate
     assert choice.ms[GREEDY, 1, 4].mean == pytest.approx(before + WEIGHT * (OUTLIER - 1) * before)
+    # A tree's own verify steps set its expected accept length; one that has not verified takes
+    # what every tree's steps kept against their validation figures.
+    other = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None, acceptance=[[GREEDY, 0, 0.9], [GREEDY, 4, 0.5]])
+    assert other.accept_length(GREEDY, 4) == pytest.approx(1 + 0.5 * (PRIOR[4] - 1))
+    assert other.accept_length(GREEDY, 2) == pytest.approx(1 + 0.9 * (PRIOR[2] - 1))
     # Plain decoding is taken unless a tree is expected at PLAIN_MARGIN times its tokens/s.
     assert TreeChoice.best({0: 1.0, 4: 1.05}) == 0 and TreeChoice.best({0: 1.0, 4: 1.15}) == 4
 
