@@ -3,9 +3,15 @@ medusa_nodes='auto') and with fixed trees, against plain decoding measured besid
 batch 1, 4, 16 and 32, greedy and sampled; accept length and acceptance per depth.
 
     python pipelines/train_medusa.py                 # once: trains heads, prints the checkpoint
-    python bench/medusa.py [--model CKPT] [--batch 1 4 16 32] [--trees 4 16 63] [--uniform CKPT]
+    python bench/medusa.py [--model CKPT] [--batch 1 4 16 32] [--trees 4 16 63] [--api-batch 1 4] [--uniform CKPT]
 
-Both engines are the fast ones: plain decode compiled with inductor on CPU (CUDA graphs on
+First the Python API as a new user meets it (`--api-batch`): fresh engines, no warmup(), each
+timed from its first request to its last (`python_api`): plain, then Medusa with no step costs
+on disk (its first start), plain again, then Medusa again (a second start, which reads the costs
+the first measured); tokens/s with the compiling both do on first use left out (and with it),
+the step timing a first start does included; from_pretrained's seconds are its start-up time.
+
+Then both engines warmed up: plain decode compiled with inductor on CPU (CUDA graphs on
 GPU), Medusa's verify steps compiled the same way on CPU (one pair of graphs for every tree,
 medusa_decoding.CompiledTreeVerify); both are warmed up before anything is timed, and the
 Medusa engine's warmup times the steps its choice is made by (printed). Prompts: windows of the
@@ -133,7 +139,7 @@ def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens:
     depth, the trees each decode step used) are over its whole run. Sampled request i is seeded
     i."""
     from sala.engine import SamplingParams
-    from sala.engine.request import accept_length
+    from sala.medusa.accept import accept_length
 
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                              **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))
@@ -160,6 +166,49 @@ def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens:
     return results[0], results[1]
 
 
+def fresh_start(path, prompts: list[list[int]], params: list, batch: int, max_seqs: int, device, medusa: bool) -> dict:
+    """A fresh engine as the Python API makes one, without warmup(): its start-up time
+    (from_pretrained) and its tokens/s from its first request's submission to the last one's end,
+    `batch` requests in flight: with its compiling (inductor's graphs, on first use) and without,
+    any step timing included either way."""
+    from sala.engine import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(path, medusa=None if medusa else False, device=device, max_seqs=max_seqs)
+    startup = time.perf_counter() - t0
+    reqs, wall = keep_in_flight(engine, prompts, params, batch)
+    tokens, compiling = sum(len(r.output_ids) for r in reqs), engine.compile_seconds or 0.0
+    return {"engine": engine, "startup_s": startup, "tokens_per_s": tokens / wall, "compile_s": compiling,
+            "decode_tokens_per_s": tokens / (wall - compiling), "outputs": [r.output_ids for r in reqs]}
+
+
+def python_api(path, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool, max_seqs: int, device) -> dict:
+    """The Python API without warmup(), fresh engines in turn: plain, Medusa with no step costs on
+    disk (its first start: the cache file removed), plain, Medusa again (a second start, which
+    reads the costs the first one measured). Each Medusa start against the plain start before it."""
+    from sala.engine import Engine, SamplingParams
+
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                             **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))
+              for i in range(len(prompts))]
+    out, lossless = {}, True
+    for name in ("first start", "second start"):
+        plain = fresh_start(path, prompts, params, batch, max_seqs, device, medusa=False)
+        if name == "first start":  # the costs a start before measured go, so that this one measures them
+            engine = Engine.from_pretrained(path, device=device, max_seqs=max_seqs)
+            if (costs := getattr(engine.decoding, "costs", None)) is not None:
+                costs.path.unlink(missing_ok=True)
+        m = fresh_start(path, prompts, params, batch, max_seqs, device, medusa=True)
+        lossless &= not greedy or m["outputs"] == plain["outputs"]
+        out[name] = {"speedup": m["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+                     "speedup_with_compiling": m["tokens_per_s"] / plain["tokens_per_s"],
+                     "tokens_per_s": m["decode_tokens_per_s"], "plain_tokens_per_s": plain["decode_tokens_per_s"],
+                     "compile_s": m["compile_s"], "plain_compile_s": plain["compile_s"], "startup_s": m["startup_s"],
+                     "plain_startup_s": plain["startup_s"], "choice": m["engine"].decoding.describe()}
+    out["greedy_identical"] = lossless
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint with medusa/ (default: the one pipelines/train_medusa.py writes for tiny-sala)")
@@ -171,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--sampling", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"])
     ap.add_argument("--repeats", type=int, default=3, help="pairs (plain, Medusa) of each; speedups are their median")
+    ap.add_argument("--api-batch", type=int, nargs="*", default=[1, 4],
+                    help="batch sizes of the Python API rows (fresh engines, no warmup())")
     args = ap.parse_args(argv)
     import torch
 
@@ -196,13 +247,26 @@ def main(argv=None) -> int:
         return 2
     tok = plain.tokenizer
     prompts = held_out_prompts(tok, ensure_tiny_sala(progress=False), args.prompts)
+    api, lossless = {}, True
+    for b in args.api_batch:  # first: before this run's warmup() leaves its costs on disk
+        for mode in args.sampling:
+            r = api.setdefault(str(b), {})[mode] = python_api(path, prompts, b, args.max_tokens, mode == "greedy",
+                                                             max_seqs, device)
+            lossless &= r["greedy_identical"]
+            for name in ("first start", "second start"):
+                x = r[name]
+                print(f"python API, no warmup(), batch {b:>2} {mode:>7}, {name}: {x['speedup']:.2f}x plain "
+                      f"({x['tokens_per_s']:.0f} vs {x['plain_tokens_per_s']:.0f} tokens/s, step timing included, "
+                      f"compiling not: {x['compile_s']:.1f} s against {x['plain_compile_s']:.1f}; with it "
+                      f"{x['speedup_with_compiling']:.2f}x); from_pretrained {x['startup_s']:.1f} s (plain "
+                      f"{x['plain_startup_s']:.1f} s); then {x['choice']}", flush=True)
     t0 = time.perf_counter()
     plain.warmup()
     medusa.warmup()
-    choice = medusa.decoding.choice
-    print(f"warmed up (compiled, and timed the steps the choice is made by) in {time.perf_counter() - t0:.0f} s", flush=True)
+    warmup_s = time.perf_counter() - t0
+    print(f"warmed up (compiled, and timed the steps the choice is made by) in {warmup_s:.0f} s", flush=True)
     print(medusa.decoding.describe(), flush=True)
-    results, lossless = {}, True
+    results = {}
 
     def median(xs):
         return sorted(xs)[len(xs) // 2]
@@ -234,8 +298,7 @@ def main(argv=None) -> int:
     chosen = [dataclasses.asdict(t) for t in medusa.stats().speculation.trees]
     out = {"bench": "medusa", "model": str(path), "prompts": len(prompts), "max_tokens": args.max_tokens,
            "greedy_identical": lossless, "choice": medusa.decoding.describe(), "chosen_trees": chosen,
-           "step_ms": choice.named_times(),
-           "by_batch": results}
+           "warmup_s": warmup_s, "python_api": api, "by_batch": results}
     if args.uniform:
         from sala.medusa.train import accept_length
 

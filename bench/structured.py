@@ -29,7 +29,9 @@ cached is the engine's Grammars handing the compiled schema back.
 Medusa (when the checkpoint has `medusa/` heads: `python pipelines/train_medusa.py` writes them):
 greedy at batch 1 and 8, a fixed tree verified at every step (`--medusa-nodes`, one of the heads'
 tree's candidates), with and without the schema; accept length counts the bonus token (plain
-decoding scores 1.00). Constrained greedy outputs must equal constrained plain greedy's (checked).
+decoding scores 1.00). And the constrained requests through a Medusa engine as it comes (its own
+choice of tree, warmed up) against the plain engine, in turns, median of `--repeats` rounds.
+Constrained greedy outputs must equal constrained plain greedy's (checked).
 Last line: JSON.
 """
 from __future__ import annotations
@@ -170,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--medusa-model", help="checkpoint with medusa/ heads (default: the one pipelines/train_medusa.py "
                                            "writes for tiny-sala)")
     ap.add_argument("--medusa-nodes", type=int, default=16, help="the fixed tree Medusa verifies at every step")
+    ap.add_argument("--modes", nargs="*", choices=["greedy", "t=1.0", "auto tools"], default=["greedy", "t=1.0", "auto tools"],
+                    help="the constrained against unconstrained rows to run")
     args = ap.parse_args(argv)
     import torch
 
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
     rows, all_valid = {}, True
     chats = tool_prompts(engine, prompts)
     for b in args.batch:
-        for mode in ("greedy", "t=1.0", "auto tools"):
+        for mode in args.modes:
             if mode == "auto tools":
                 runs_on, held = chats, tool_sampling(engine, len(prompts), args.max_tokens, True)
                 free = tool_sampling(engine, len(prompts), args.max_tokens, False)
@@ -246,18 +250,30 @@ def main(argv=None) -> int:
         medusa = {}
         spec = Engine.from_pretrained(medusa_path, device="cpu", max_seqs=max(args.batch), medusa_nodes=args.medusa_nodes)
         spec.warmup()
+        auto = Engine.from_pretrained(medusa_path, device="cpu", max_seqs=max(args.batch))
+        auto.warmup()
         lossless = True
         for b in args.batch:
             free, held = (sampling(len(prompts), args.max_tokens, True, c) for c in (None, schema))
             plain_held = run_at_batch(engine, prompts, b, held)
             m_free, m_held = run_at_batch(spec, prompts, b, free), run_at_batch(spec, prompts, b, held)
             lossless &= m_held["tokens"] == plain_held["tokens"]
+            pairs = [(run_at_batch(engine, prompts, b, held), run_at_batch(auto, prompts, b, held)) for _ in range(args.repeats)]
+            lossless &= all(m["tokens"] == plain_held["tokens"] for _, m in pairs)
+            ratios = [m["tokens_per_s"] / p["tokens_per_s"] for p, m in pairs]
+            p, m = pairs[ratios.index(median(ratios))]
             medusa[f"b{b}"] = r = {"accept_length": m_free["accept_length"],
                                    "accept_length_constrained": m_held["accept_length"],
                                    "tokens_per_s": m_free["tokens_per_s"],
-                                   "constrained_tokens_per_s": m_held["tokens_per_s"]}
+                                   "constrained_tokens_per_s": m_held["tokens_per_s"],
+                                   "auto_constrained_ratio": median(ratios), "auto_constrained_ratio_runs": ratios,
+                                   "auto_constrained_tokens_per_s": m["tokens_per_s"],
+                                   "plain_constrained_tokens_per_s": p["tokens_per_s"]}
             print(f"Medusa ({args.medusa_nodes}-node tree) batch {b} greedy: accept length {r['accept_length']:.2f} "
                   f"unconstrained, {r['accept_length_constrained']:.2f} with the schema", flush=True)
+            print(f"Medusa engine (its own choice) batch {b} greedy with the schema: {m['tokens_per_s']:.0f} tokens/s "
+                  f"against the plain engine's {p['tokens_per_s']:.0f} = {median(ratios):.2f}x (runs "
+                  + " ".join(f"{x:.2f}" for x in ratios) + ")", flush=True)
         medusa["lossless"] = lossless
         out["medusa"] = medusa
     else:
@@ -278,7 +294,8 @@ def main(argv=None) -> int:
         for b in args.batch:
             r = medusa[f"b{b}"]
             print(f"Medusa batch {b}: accept length {r['accept_length']:.2f} -> {r['accept_length_constrained']:.2f} "
-                  f"with the schema; {r['tokens_per_s']:.0f} -> {r['constrained_tokens_per_s']:.0f} tokens/s")
+                  f"with the schema; {r['tokens_per_s']:.0f} -> {r['constrained_tokens_per_s']:.0f} tokens/s; "
+                  f"the engine's own choice with the schema: {r['auto_constrained_ratio']:.2f}x the plain engine")
         print(f"constrained Medusa greedy identical to constrained plain greedy: {medusa['lossless']}")
     print(json.dumps(out))
     return 0 if all_valid and (medusa is None or medusa["lossless"]) else 1

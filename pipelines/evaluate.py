@@ -166,7 +166,9 @@ def score_medusa(checkpoint: str | Path, *, batch_size: int = 8, num_prompts: in
     prompts = tokenize_prompts(builtin_rows(num_prompts), lambda t: tok(t)["input_ids"], prompt_tokens)
     base = lp.collect_baseline(ref, prompts, max_new_tokens=max_new_tokens, batch_sizes=(batch_size,))[batch_size]
     heads = load_heads(checkpoint, model.config, ref.engine.config.device)
-    medusa = Engine(model, tok, medusa=heads, kv_plan=kv_plan, compile=False, **settings)
+    # The whole tree at every step, so that every decode step is a verify step the drift can catch.
+    medusa = Engine(model, tok, medusa=heads, kv_plan=kv_plan, compile=False, medusa_nodes=heads.tree.num_nodes - 1,
+                    **settings)
     plain = Engine(model, tok, kv_plan=kv_plan, compile=False, **settings)
     out = {}
     for label, engine, temp in (("medusa_greedy", medusa, 0.0), ("medusa_typical", medusa, temperature),

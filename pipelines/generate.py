@@ -401,8 +401,8 @@ class GenerateStage:
 
 
 def log_tree_choice(engine, tracking_uri: str, run_id: str) -> None:
-    """This actor's Medusa choice (tree per batch size, its expected accept length and speedup, the
-    step times warmup measured) into the job's MLflow run, one JSON per actor. A failure to
+    """This actor's Medusa choice (tree per batch size class, its expected accept length and speedup,
+    the step times it is made by: [kind, batch size class, nodes, ms]) into the job's MLflow run, one JSON per actor. A failure to
     report is a warning in the actor's log, not a failed job."""
     import os
     import socket
@@ -411,7 +411,7 @@ def log_tree_choice(engine, tracking_uri: str, run_id: str) -> None:
 
     medusa = engine.decoding
     choice = {"describe": medusa.describe(), "trees": [dataclasses.asdict(t) for t in engine.stats().speculation.trees],
-              "step_ms": medusa.choice.named_times()}
+              "step_ms": medusa.choice.step_ms()}
     try:
         MlflowClient(tracking_uri).log_dict(run_id, choice, f"medusa_trees/{socket.gethostname()}-{os.getpid()}.json")
     except Exception as e:  # noqa: BLE001 - whatever the tracking store raises

@@ -89,23 +89,19 @@ class EngineSeries:
                                       value=spec.accepted_tokens)
             yield GaugeMetricFamily("sala_spec_accept_length", "Tokens per verify step, bonus included",
                                     value=spec.accept_length)
-            # The tree chosen now at each batch size warmup timed (medusa_nodes='auto'), and why.
+            # The tree chosen now at each batch size class timed (medusa_nodes='auto'), and why.
             labels = ["batch", "sampling"]
             nodes = GaugeMetricFamily("sala_spec_tree_nodes", "Draft tree nodes a verify step checks at this batch "
-                                      "size now (0: plain decoding)", labels=labels)
+                                      "size class now (0: plain decoding)", labels=labels)
             expected = GaugeMetricFamily("sala_spec_expected_accept_length", "Tokens the chosen tree's verify step is "
-                                         "expected to yield now (measured acceptance, corrected by recent steps)",
+                                         "expected to yield now (the heads' acceptance scaled by recent steps')",
                                          labels=labels)
             speedup = GaugeMetricFamily("sala_spec_expected_speedup", "Expected tokens/s of the chosen tree over plain "
-                                        "decoding at this batch size now (step costs measured at start-up, corrected "
-                                        "by what recent steps accepted and took)", labels=labels)
-            warmup = GaugeMetricFamily("sala_spec_warmup_speedup", "Expected tokens/s of the chosen tree over plain "
-                                       "decoding at this batch size by start-up's step costs and the heads' acceptance "
-                                       "alone", labels=labels)
+                                        "decoding at this batch size class now (measured step costs and acceptance)",
+                                        labels=labels)
             for t in spec.trees:
-                key = [str(t.batch), "greedy" if t.greedy else "sampled"]
+                key = [str(t.batch), t.kind]
                 nodes.add_metric(key, t.nodes)
                 expected.add_metric(key, t.accept_length)
                 speedup.add_metric(key, t.speedup)
-                warmup.add_metric(key, t.warmup_speedup)
-            yield from (nodes, expected, speedup, warmup)
+            yield from (nodes, expected, speedup)

@@ -73,6 +73,14 @@ def tiny_sala_dir():
     return ensure_tiny_sala(progress=False)
 
 
+@pytest.fixture(autouse=True)
+def own_step_costs(tmp_path, monkeypatch):
+    """Each test's Medusa engines keep their step costs (sala/engine/step_costs.py) in a directory
+    of its own: what another test measured must not make this one's choice."""
+    monkeypatch.setattr("sala.engine.step_costs.sala_home", lambda: tmp_path)
+    return tmp_path / "step_costs"
+
+
 @pytest.fixture(scope="module")
 def local_engine(tiny_sala_dir):
     """tiny-sala in an Engine in this process, one torch thread: the expected outputs that

@@ -59,7 +59,7 @@ class CompiledStep:
         self.fn = torch.compile(types.MethodType(own, self), dynamic=None, options={"cpp_wrapper": True})
         self.spec: pytree.TreeSpec | None = None
         self.failed = False
-        self.seconds: float | None = None  # compiling took, once compiled
+        self.seconds: float | None = None  # compiling took, recompiles included, once compiled
 
     @property
     def compiled(self) -> bool:
@@ -97,9 +97,9 @@ class CompiledStep:
             log.warning("compiling %s failed, running eager: %s", self.what,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
-        if not self.compiled:
-            self.seconds = time.perf_counter() - t0
-            log.info("compiled %s in %.1f s", self.what, self.seconds)
+        elapsed = time.perf_counter() - t0
+        log.info("%s %s in %.1f s", "recompiled" if self.compiled else "compiled", self.what, elapsed)
+        self.seconds = (self.seconds or 0.0) + elapsed
         return out
 
 

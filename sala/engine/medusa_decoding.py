@@ -22,8 +22,9 @@ verify scans the tree depth by depth (sala/lightning_tree.py), a loop the graph 
 each tree has a forward graph of its own, and greedy batches accept eagerly too.
 
 Which tree a step verifies, if any, is `TreeChoice`'s (sala/engine/tree_choice.py): by default
-the candidate that warmup's step times (`MedusaDecoding.warmup`), the heads' measured acceptance
-and what the last decode steps accepted and took say pays best. medusa_max_batch caps the batch
+the timed candidate with the most expected tokens per second, by running estimates of each
+candidate's step time and of the heads' acceptance, kept from the steps the engine takes and
+across starts on disk (sala/engine/step_costs.py); medusa_max_batch caps the batch
 sizes that may verify. A plain step of a Medusa engine drafts only for the prompts it ends
 (their first tree); the requests it decodes keep their drafts, which a verify after plain steps
 reads a head further out for each token decoded since (`tree_drafts`): on tiny-sala's heads at
@@ -35,8 +36,6 @@ acceptance and plain sampling draw differently), as with vLLM's disable_by_batch
 from __future__ import annotations
 
 import logging
-import math
-import time
 from dataclasses import replace
 
 import torch
@@ -49,18 +48,15 @@ from sala.engine.decoding import Emitted, PlainDecoding, StepOutput
 from sala.engine.graphs import CompiledStep, rows_dynamic
 from sala.engine.request import Request, SpecStats
 from sala.engine.stats import SpeculationStats
-from sala.engine.tree_choice import MIN_SPEEDUP, PROBE, TreeChoice, candidate_sizes
+from sala.engine.step_costs import StepCosts, cost_key
+from sala.engine.tree_choice import TreeChoice, candidate_sizes
 from sala.medusa import accept as medusa_accept
 from sala.medusa.accept import Settled, TreeIndices, tempered_probs
 from sala.medusa.tree import MedusaTree, build_tree, by_acceptance, expected_accept_length
 from sala.sampling import InvalidParam, SamplingParams, inverse_cdf, sample, token_logprobs, uniforms
 
 log = logging.getLogger(__name__)
-# Warmup times each candidate in TIMED_ROUNDS rounds, the candidates in turn, a round being TIMED_BLOCK
-# verify steps in a row then TIMED_BLOCK plain ones: a plain step right after verify steps takes longer
-# than one after plain steps (at batch 1 on the 2-core VM 2.1 ms against 1.6, within 10% after SETTLED
-# plain steps), and the choice weighs runs of each kind.
-TIMED_BLOCK, TIMED_ROUNDS, SETTLED = 6, 3, 3
+WARMUP_TOKENS, WARMUP_RUNS = 64, 8  # a warmup request's prompt and output tokens; the most runs a class and kind takes
 
 # What a verify step accepts by (`step_kind`).
 GREEDY = "greedy"  # greedy requests without logprobs or a grammar: argmaxes alone
@@ -103,14 +99,17 @@ class MedusaDecoding:
             tree = build_tree(order[:n], heads.config.topk, heads.config.num_heads).to(cache.device)
             own = (CompiledTreeVerify(model), None, None) if compiled and not shared else None
             self.verifies[n] = TreeVerify(self, tree, graphs or own, levels=not shared)
+        fixed = None if config.medusa_nodes == "auto" else config.medusa_nodes
+        self.costs = StepCosts(cost_key(config, heads.config, param.dtype)) if fixed is None else None
+        times, kept = self.costs.load() if self.costs else ([], [])
         self.choice = TreeChoice(prior={n: expected_accept_length(acceptance, order[:n]) if acceptance else None
                                         for n in sizes},
-                                 max_batch=config.medusa_max_batch, fixed=config.medusa_nodes != "auto")
+                                 max_batch=config.medusa_max_batch, fixed=fixed, step_ms=times, acceptance=kept)
         self.plain = PlainDecoding(config, runner)
         self.plain_step = PlainStep(self)
         # Where verify steps run compiled, "auto" verifies only the batches a graph accepts (greedy, or
-        # sampled by temperature alone): warmup times no other kind, and eager acceptance costs more than
-        # the forward (at batch 1, 4 nodes: 3.8 ms against 3.4).
+        # sampled by temperature alone): eager acceptance costs more than the forward (at batch 1, 4
+        # nodes: 3.8 ms against 3.4), and a grammar walks every node of the tree.
         self.compiled_only = shared and config.medusa_nodes == "auto"
         self.vocab = model.config.vocab_size
         # The step in flight's kind (step_kind): for_step, the run, emit and took are one step's, in that order.
@@ -121,14 +120,14 @@ class MedusaDecoding:
         if not decoding:
             return self.plain_step
         self.kind = step_kind(decoding, self.vocab)
-        nodes = self.choice(len(decoding), self.kind == GREEDY, verifiable=not (self.compiled_only and self.kind == EAGER))
+        nodes = self.choice(len(decoding), self.kind, verifiable=not (self.compiled_only and self.kind == EAGER))
         return self.verifies[nodes] if nodes else self.plain_step
 
     def took(self, batch, seconds: float) -> None:
-        """A step took `seconds`: a decode step's time corrects the choice's (see TreeChoice.time_scale).
-        Warmup times greedy and tempered batches: the steps of an eager one are not compared with them."""
-        if batch.decodes and not batch.prefills and self.kind != EAGER:
-            self.choice.timed(batch.decoding.rows - 1, self.kind == GREEDY, len(batch.decodes), 1e3 * seconds)
+        """A decode step with no prompt work took `seconds`: it times its candidate (TreeChoice.timed),
+        and the disk cache is written whenever that makes a candidate timed."""
+        if batch.decodes and not batch.prefills and self.choice.timed(1e3 * seconds) and self.costs:
+            self.costs.save(self.choice.step_ms(), self.choice.kept())
 
     def compiled_steps(self) -> list:
         graphs = {id(g): g for v in self.verifies.values() for g in (v.fast_verify, v.fast_greedy, v.fast_sampled)
@@ -170,139 +169,66 @@ class MedusaDecoding:
                                 trees=self.choice.table())
 
     def describe(self) -> str:
-        """The choice in a line: what each batch size timed verifies now, and why."""
+        """The choice in a line: what each batch size class verifies now, and why."""
         choice = self.choice
         if not choice.prior:
             return "Medusa never verifies (medusa_nodes=0)"
         cap = "" if choice.max_batch is None else f" while at most {choice.max_batch} requests decode"
-        if choice.fixed or not choice.step_ms:
-            why = "" if choice.fixed else " (until warmup times the steps)"
-            return f"Medusa verifies the {max(choice.prior)}-node tree{cap}{why}"
-        rows = []
-        for greedy in (True, False):
-            chosen = ", ".join(f"{t.batch}: " + (f"{t.nodes} nodes ({t.accept_length:.2f} tokens a step, {t.speedup:.2f}x)"
-                                                  if t.nodes else "plain")
-                               for t in choice.table() if t.greedy == greedy)
-            rows.append(f"{'greedy' if greedy else 'sampled'} batches {chosen}")
-        return f"Medusa trees chosen from measured step costs{cap}, by batch size: " + "; ".join(rows)
+        if choice.fixed is not None:
+            return f"Medusa verifies the {choice.fixed}-node tree{cap}"
+        rows = choice.table()
+        if not rows:
+            return f"Medusa decodes plainly until its steps are timed{cap}"
+        return f"Medusa trees chosen from measured step costs{cap}: " + "; ".join(
+            f"{t.kind} batches of {t.batch}+: " + (f"{t.nodes} nodes ({t.accept_length:.2f} tokens a step, {t.speedup:.2f}x)"
+                                                    if t.nodes else "plain") for t in rows)
 
     # ---------------------------------------------------------------- warmup
     def warmup(self, engine, prompt: list[int], params: SamplingParams) -> None:
         """Compile the steps the engine serving these heads may take, and with medusa_nodes='auto'
-        time them: through the engine's public API, which Engine.warmup keeps out of its counts."""
+        time them up front as traffic would (TreeChoice), through the engine's public API, which
+        Engine.warmup keeps out of its counts: batches of 1, 2, 4, ... up to max_seqs (and
+        medusa_max_batch) requests, greedy and sampled, until a batch size where no tree pays (a
+        verify's cost grows with the batch faster than a plain step's). What the disk cache held
+        takes no step."""
+        sampled = replace(params, temperature=1.0, seed=0)
         if self.plain.fast_decode is not None:
             with self.choice.forcing(0):
                 engine.generate([prompt], params)
             # Verify steps of one request and of several are two graphs (see CompiledTreeVerify), for greedy
-            # batches and sampled ones (the whole step), and for batches asking for logprobs (the forward).
-            # Shared graphs compile on the largest tree, so that every size is a new value of a dynamic one.
+            # batches and sampled ones (the whole step), and for batches asking for logprobs (the forward),
+            # which "auto" never verifies there. Shared graphs compile on the largest tree, so that every
+            # size is a new value of a dynamic one.
             graphs = {id(v.fast_verify): n for n, v in sorted(self.verifies.items()) if v.fast_verify is not None}
-            sampled = replace(params, temperature=1.0, seed=0)
+            kinds = (params, sampled) + (() if self.compiled_only else (replace(sampled, logprobs=0),))
             for n in graphs.values():
                 with self.choice.forcing(n):
                     for batch in (1, 2) if self.config.max_seqs > 1 else (1,):
-                        for p in (params, sampled, replace(sampled, logprobs=0)):
+                        for p in kinds:
                             engine.generate([prompt] * batch, p)
-        if self.choice.prior and not self.choice.fixed:
-            self._time_steps(engine, prompt)
-            log.info(self.describe())
-
-    def _time_steps(self, engine, prompt: list[int]) -> None:
-        """The choice's step times: median ms of a plain decode step, of a plain step right after
-        verify steps (PROBE) and of each candidate's verify step, greedy and sampled, at batch
-        sizes 1, 2, 4, ... up to max_seqs (and medusa_max_batch). A batch's candidates are timed
-        smallest first until one of 8 nodes or more is clearly below both the best of them and
-        plain decoding, then TIMED_ROUNDS - 1 times more in turn: the machine's speed drifts
-        within a batch size's timing, and a candidate timed in one stretch took its noise whole
-        (at batch 1 on the 2-core VM, the 4-node tree timed 21% dearer than the 3-node one, which
-        ran 8% slower). Larger batches are not timed once no candidate pays at one (a verify's
-        cost grows with the batch faster than a decode step's)."""
-        choice, cap = self.choice, self.config.max_seqs
-        if choice.max_batch is not None:
-            cap = min(cap, choice.max_batch)
-        timed = {}
-        for n in sorted({min(2**i, cap) for i in range(cap.bit_length() + 1)} - {0}):
-            row = timed[n] = {}
-            for greedy in (True, False):
-                runs, best = {}, 0.0  # candidate -> (plain, probe, verify) ms of each of its rounds
-                for nodes in sorted(choice.prior):
-                    runs[nodes] = [self._time_runs(engine, prompt, n, greedy, nodes)]
-                    row.update(step_times(runs, greedy))
-                    speedup = choice.speedup(row, nodes, greedy)
-                    # Past the best tree and past plain decoding: a verify's fixed cost makes small trees no guide.
-                    if speedup < 0.8 * max(best, 1.0) and nodes >= 8:
+        choice = self.choice
+        if choice.fixed is not None or not choice.prior:
+            return
+        # What the warmup prompt's drafts keep says nothing of traffic's: the walk weighs the trees by
+        # the acceptance as it was (the heads' validation figures, or what the disk cache kept). Its
+        # requests are as long as traffic's (the cost of a verify grows with the context).
+        acceptance = choice.kept()
+        long_prompt = (prompt * WARMUP_TOKENS)[:WARMUP_TOKENS]
+        cap = min(self.config.max_seqs, self.config.max_seqs if choice.max_batch is None else choice.max_batch)
+        for n in (1 << i for i in range(cap.bit_length())):
+            pays = False
+            for p in (replace(params, max_tokens=WARMUP_TOKENS), replace(sampled, max_tokens=WARMUP_TOKENS)):
+                kind = GREEDY if p.greedy else TEMPERED
+                for _ in range(WARMUP_RUNS):
+                    if choice.untimed(kind, n) is None:
                         break
-                    best = max(best, speedup)
-                for _ in range(TIMED_ROUNDS - 1):
-                    for nodes, rounds in runs.items():
-                        rounds.append(self._time_runs(engine, prompt, n, greedy, nodes))
-                row.update(step_times(runs, greedy))
-            if max(choice.speedup(row, nodes, greedy) for greedy, nodes in row if nodes > 0) < MIN_SPEEDUP:
+                    engine.generate([long_prompt] * n, p)
+                    choice.acceptance = {}
+                    choice.learned(acceptance)
+                pays |= any(t.nodes for t in choice.table() if (t.kind, t.batch) == (kind, n))
+            if not pays:
                 break
-        choice.step_ms = timed
-
-    def _time_runs(self, engine, prompt: list[int], n: int, greedy: bool, nodes: int) -> tuple[float, float, float]:
-        """Median ms, over n decoding requests (steps with no prompt work), of a plain decode step
-        SETTLED or more steps into a run of them, of the first plain step after verify steps, and
-        of a verify step of the `nodes` tree after another: a run of TIMED_BLOCK verify steps, then
-        one of TIMED_BLOCK plain steps."""
-        depth = self.verifies[nodes].tree.max_depth
-        tokens = TIMED_BLOCK * (depth + 2) + 8
-        params = SamplingParams(max_tokens=min(tokens, self.cache.max_tokens - 1),
-                                temperature=0.0 if greedy else 1.0, seed=0, ignore_eos=True)
-        reqs = [engine.add_request(prompt, params) for _ in range(n)]
-        ms = {"plain": [], "probe": [], "verify": []}
-        taken = 0  # steps timed; a verify run comes first, so that every plain run follows verify steps
-        with self.choice.forcing(nodes):
-            while taken < 2 * TIMED_BLOCK and engine.has_work():
-                before = engine.stats()
-                pure = before.waiting == 0 and not any(r.prefilling for r in reqs if not r.finish_reason)
-                at = taken % TIMED_BLOCK
-                self.choice.force = nodes if taken // TIMED_BLOCK % 2 == 0 else 0
-                t0 = time.perf_counter()
-                engine.step()
-                elapsed = 1e3 * (time.perf_counter() - t0)
-                if pure and engine.stats().running == n:
-                    if self.choice.force:
-                        if at:  # the first verify of a run follows plain steps
-                            ms["verify"].append(elapsed)
-                    elif at == 0:
-                        ms["probe"].append(elapsed)
-                    elif at >= SETTLED:
-                        ms["plain"].append(elapsed)
-                    taken += 1
-        for r in reqs:
-            engine.cancel(r)
-        while engine.has_work():
-            engine.step()
-        return median(ms["plain"]), median(ms["probe"]), median(ms["verify"])
-
-
-def step_times(runs: dict[int, list[tuple[float, float, float]]], greedy: bool) -> dict[tuple[bool, int], float]:
-    """step_ms's entries for one batch size and kind of batch from each candidate's timed rounds
-    ((plain, probe, verify) ms): plain, the median of every round's; a probe's and each verify's,
-    that times the median of their ratio to the plain steps timed beside them (the machine's speed
-    drifts between rounds); each verify at least every smaller tree's."""
-    rounds = [r for timed in runs.values() for r in timed]
-    plain = median([p for p, _, _ in rounds])
-    verify = at_least_smaller_trees({k: plain * median([v / p for p, _, v in timed]) for k, timed in runs.items()})
-    return {(greedy, 0): plain, (greedy, PROBE): plain * median([probe / p for p, probe, _ in rounds]),
-            **{(greedy, k): ms for k, ms in verify.items()}}
-
-
-def at_least_smaller_trees(verify_ms: dict[int, float]) -> dict[int, float]:
-    """Each tree's verify time (by node count) raised to every smaller tree's: a larger tree's
-    verify does what a smaller one's does and more, so a time below a smaller tree's is noise (on
-    the 2-core VM noise put a 16-node tree at 2.85 ms, below a 6-node tree's 3.0; chosen, it ran
-    at 1.00x plain decoding, the 4-node tree at 1.20x)."""
-    raised, floor = {}, 0.0
-    for nodes in sorted(verify_ms):
-        floor = raised[nodes] = max(floor, verify_ms[nodes])
-    return raised
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else math.inf
+        log.info(self.describe())
 
 
 class PlainStep:
@@ -429,7 +355,7 @@ class TreeVerify:
             if r.params.logprobs is not None:  # token j is scored by the logits of the node before it (eager path only)
                 scored = token_logprobs(logits[i, paths[i][:n]], accepted, [r.params.logprobs] * n)
             gained.append(Emitted(r, accepted, scored))
-        medusa.choice.observe(tree.num_nodes - 1, medusa.kind == GREEDY, len(reqs), sum(len(g.tokens) - 1 for g in gained))
+        medusa.choice.observe(len(reqs), sum(len(g.tokens) - 1 for g in gained))
         return gained
 
 

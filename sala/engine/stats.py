@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sala.engine.request import accept_length
+from sala.medusa.accept import accept_length
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,14 @@ class PrefixStats:
 
 @dataclass(frozen=True)
 class ChosenTree:
-    """What a Medusa engine verifies now at one batch size timed at warmup, for greedy batches
-    or for batches with a sampled request."""
+    """What a Medusa engine verifies now at one batch size class (1, 2, 4, ...: a batch of n
+    requests is in the largest class <= n) for one kind of batch, once its steps are timed."""
 
     batch: int
-    greedy: bool
+    kind: str  # "greedy", "tempered" (sampled by temperature alone) or "eager" (any other)
     nodes: int  # tree nodes verified a request (0: plain decoding)
     accept_length: float  # expected tokens a verify step of it yields now (1.0 for plain decoding)
-    # expected tokens/s over plain decoding (1.0 for plain decoding): by warmup's step times and
-    # the heads' measured acceptance, corrected by what the last decode steps accepted and took
-    speedup: float
-    warmup_speedup: float  # by warmup's step times and the heads' acceptance alone
+    speedup: float  # expected tokens/s over plain decoding, by the running estimates (1.0 for plain decoding)
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ class SpeculationStats:
     verify_steps: int
     draft_tokens: int  # tree nodes verified, the roots not counted
     accepted_tokens: int  # drafts kept, bonus tokens not counted
-    trees: tuple[ChosenTree, ...]  # the choice per batch size now (empty until warmup times the steps)
+    trees: tuple[ChosenTree, ...]  # the choice per batch size class now (empty until its steps are timed)
 
     @property
     def accept_length(self) -> float:

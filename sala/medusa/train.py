@@ -44,8 +44,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from sala.eval.calibration import Row
+from sala.medusa.accept import accept_length as medusa_accept_length
 from sala.medusa.heads import MedusaConfig, MedusaHeads
 from sala.medusa.tree import by_acceptance
+from sala.sampling import SamplingParams
 
 ENCODE_BATCH = 32  # windows the backbone encodes at once
 EVAL_BATCH = 32  # windows an evaluation batch takes at most
@@ -368,13 +370,10 @@ def training_bytes(config: MedusaConfig, windows: int, seq_len: int, batch: int,
 # ------------------------------------------------------------------------------ accept length
 def accept_length(engine, prompts: list[list[int]], max_tokens: int) -> float:
     """Mean tokens per verify step (bonus included) of a Medusa engine decoding `prompts` greedily."""
-    from sala.engine import SamplingParams
-    from sala.engine.request import accept_length as per_step
-
     before = engine.stats().speculation
     engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     after = engine.stats().speculation
-    return per_step(after.verify_steps - before.verify_steps, after.accepted_tokens - before.accepted_tokens)
+    return medusa_accept_length(after.verify_steps - before.verify_steps, after.accepted_tokens - before.accepted_tokens)
 
 
 # ------------------------------------------------------------------------------ one call
@@ -390,8 +389,6 @@ class DataConfig:
 
 def distill(engine, seqs: list[Sequence], prompts: list[list[int]], data: DataConfig) -> list[Sequence]:
     """The model's own continuations of each window's prompt, through the serving engine."""
-    from sala.engine import SamplingParams
-
     params = SamplingParams(max_tokens=data.seq_len - data.prompt_len, temperature=data.temperature, ignore_eos=True,
                             seed=0 if data.temperature else None)
     outs = engine.generate(prompts, params)

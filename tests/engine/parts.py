@@ -46,6 +46,15 @@ def with_pages(num_pages: int, **settings) -> Parts:
     return parts
 
 
+def timed(decoding, ms: dict[int, float]) -> None:
+    """A Medusa decoding's choice given step times (candidate -> ms) for every kind of batch and
+    batch size class, as if read from the disk cache."""
+    from sala.engine.tree_choice import TIMED, Running
+
+    decoding.choice.ms = {(kind, 1 << i, nodes): Running(t, TIMED) for kind in ("greedy", "tempered", "eager")
+                          for i in range(decoding.config.max_seqs.bit_length()) for nodes, t in ms.items()}
+
+
 def request(n_prompt: int, max_tokens: int = 8, first: int = 1, **params) -> Request:
     return Request(list(range(first, first + n_prompt)), SamplingParams(**{"max_tokens": max_tokens, "temperature": 0} | params),
                    None, lambda out: None)

@@ -9,7 +9,7 @@ import torch
 
 from sala.engine.decoding import PlainDecoding, StepOutput
 from sala.sampling import InvalidParam
-from tests.engine.parts import build, prefill, request
+from tests.engine.parts import build, prefill, request, timed
 
 
 def test_plain_decode_rows_are_each_requests_next_position():
@@ -50,6 +50,8 @@ def test_medusa_chooses_its_step_by_the_policy_and_refuses_what_it_cannot_honour
     assert list(medusa.verifies) == [6]  # heads with no measured acceptance: their own tree is the one candidate
     tree = medusa.verifies[6].tree
     one, two = [request(4)], [request(4), request(4)]
+    assert medusa.for_step(one) is medusa.plain_step  # untimed: plain decoding, its own steps timed first
+    timed(medusa, {0: 2.0, 6: 2.5})  # 1 token / 2.0 ms against 2 expected / 2.5 ms
     verify = medusa.for_step(one)
     assert verify is medusa.verifies[6] and (verify.lookahead, verify.rows) == (tree.max_depth, tree.num_nodes) == (3, 7)
     assert medusa.for_step(two) is medusa.plain_step and medusa.for_step([]) is medusa.plain_step
@@ -64,9 +66,10 @@ def test_medusa_chooses_its_step_by_the_policy_and_refuses_what_it_cannot_honour
 def test_auto_verifies_only_the_batches_a_compiled_graph_accepts():
     """Where verify steps compile (CPU), "auto" verifies greedy batches and batches sampled by
     temperature alone; a batch with a top-p, top-k or logprobs request decodes plainly (its
-    acceptance would run eagerly, which warmup does not time). A fixed tree verifies them all,
-    and so does "auto" where nothing compiles (every kind of step is then timed eagerly)."""
+    acceptance would run eagerly, costlier than the forward), whatever the times say. A fixed tree
+    verifies them all, and so does "auto" where nothing compiles (every kind of step is then eager)."""
     medusa = build(medusa=True, compile=True, max_seqs=4).decoding
+    timed(medusa, {0: 2.0, 6: 2.5})
     whole = medusa.verifies[6]
     assert medusa.for_step([request(4)]) is whole and medusa.for_step([request(4), request(4, temperature=0.7)]) is whole
     for odd in ({"top_p": 0.9}, {"top_k": 5}, {"logprobs": 1}):
@@ -75,6 +78,7 @@ def test_auto_verifies_only_the_batches_a_compiled_graph_accepts():
     fixed = build(medusa=True, compile=True, max_seqs=4, medusa_nodes=6).decoding
     assert fixed.for_step([request(4, temperature=0.7, top_p=0.9)]) is fixed.verifies[6]
     eager = build(medusa=True, max_seqs=4).decoding
+    timed(eager, {0: 2.0, 6: 2.5})
     assert eager.for_step([request(4, temperature=0.7, top_p=0.9)]) is eager.verifies[6]
 
 
@@ -85,6 +89,7 @@ def test_a_verify_after_plain_steps_takes_each_depth_from_the_head_drafting_its_
     step the heads' new drafts as they are."""
     p = build(medusa=True, max_seqs=4)
     medusa = p.decoding
+    timed(medusa, {0: 2.0, 6: 2.5})
     verify = medusa.verifies[6]
     reqs = [request(10), request(21, first=50)]
     for r in reqs:
@@ -120,6 +125,7 @@ def test_a_verify_after_plain_steps_takes_each_depth_from_the_head_drafting_its_
 def test_verify_emits_the_acceptable_path_then_the_bonus_and_commits_only_it():
     p = build(medusa=True, max_seqs=4)
     medusa, cache = p.decoding, p.cache
+    timed(medusa, {0: 2.0, 6: 2.5})
     verify = medusa.verifies[6]
     tree = verify.tree
     reqs = [request(10), request(21, first=50)]

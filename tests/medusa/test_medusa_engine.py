@@ -11,13 +11,15 @@ within one BF16 step of each other (measured: 1 of 50 prompts at 16 tokens at an
 another build of tiny-sala, logits 2^-5 apart); every other prompt must match token for token,
 and in fp32 compute (NVFP4 on CPU) all must."""
 import copy
+import json
+import logging
 
 import pytest
 import torch
 
 from sala.checkpoint import load_model
 from sala.engine import Engine, SamplingParams
-from sala.engine.medusa_decoding import EAGER, step_kind
+from sala.engine.medusa_decoding import EAGER, GREEDY, TEMPERED, step_kind
 from sala.kv.plan import KVPlan
 from sala.medusa.heads import load_heads
 from sala.tiny import heldout_texts
@@ -48,6 +50,11 @@ def prompts(tiny_sala_dir, base):
     return [stream[:1] + stream[7 + 131 * i : 15 + 131 * i + (5 * i) % 32] for i in range(N_PROMPTS)]
 
 
+def whole(heads) -> int:
+    """medusa_nodes for the heads' whole tree at every step: every decode step a verify step."""
+    return heads.tree.num_nodes - 1
+
+
 def mixed_plan(config) -> KVPlan:
     """Sparse layers in FP8, NVFP4 and BF16 K/V; two lightning layers keeping BF16 states."""
     first, second, *_ = config.sparse_layers
@@ -68,7 +75,8 @@ def test_greedy_with_medusa_equals_greedy_without(base, heads, prompts, tiny_sal
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
     plain = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False, kv_plan=kv_plan).generate(
         prompts, SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=2))
-    engine = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False, kv_plan=kv_plan, medusa=copy.deepcopy(heads))
+    engine = Engine(copy.deepcopy(model), tok, max_seqs=batch, compile=False, kv_plan=kv_plan, medusa=copy.deepcopy(heads),
+                    medusa_nodes=whole(heads))
     spec = engine.generate(prompts, params)
     same = sum(a.token_ids == b.token_ids for a, b in zip(plain, spec))
     ties = diverged_at_ties(plain, spec, weights == "bf16")
@@ -121,7 +129,7 @@ def test_verify_writes_no_pool_and_commit_writes_only_the_accepted_path(base, he
     from transformers import AutoTokenizer
 
     engine = Engine(copy.deepcopy(base), AutoTokenizer.from_pretrained(tiny_sala_dir), max_seqs=2, compile=False,
-                    medusa=copy.deepcopy(heads))
+                    medusa=copy.deepcopy(heads), medusa_nodes=whole(heads))
     reqs = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts[:2]]
     engine.step()  # both prompts prefilled, drafts made
     cache = engine.cache
@@ -169,8 +177,8 @@ def test_sampling_with_typical_acceptance_is_seeded_and_mixes_with_greedy(base, 
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     params = [SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
-    runs = [Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False, medusa=copy.deepcopy(heads)).generate(prompts[:2], params)
-            for _ in range(2)]
+    runs = [Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False, medusa=copy.deepcopy(heads),
+                   medusa_nodes=whole(heads)).generate(prompts[:2], params) for _ in range(2)]
     assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]  # the seed fixes the draws
     assert all(len(c.token_ids) == 12 for c in runs[0])
     plain = Engine(copy.deepcopy(base), tok, compile=False).generate(prompts[1:2], params[1])
@@ -198,14 +206,11 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     assert fast.compiled and not fast.failed, "the compiled speculative step did not run"
     assert medusa.plain.fast_decode.compiled, "warmup did not compile the plain decode step 'auto' may choose"
     print(medusa.describe())
-    timed = medusa.choice.step_ms  # batch -> {(greedy, nodes): ms}, measured by warmup
-    assert set(timed) <= {1, 2} and 1 in timed and {(True, 0), (True, 1), (False, 0), (False, 1)} <= set(timed[1])
-    assert all(0 < ms < 1e3 for row in timed.values() for ms in row.values())
-    for greedy in (True, False):  # a larger tree is never timed cheaper than a smaller one
-        verify = [ms for (g, nodes), ms in sorted(timed[1].items()) if g == greedy and nodes > 0]
-        assert verify == sorted(verify) and len(verify) > 1
+    timed = medusa.choice.step_ms()  # [kind, batch size class, nodes, ms], measured by warmup as traffic would be
+    assert {(kind, cls, nodes) for kind, cls, nodes, _ in timed} >= {(k, 1, n) for k in (GREEDY, TEMPERED) for n in (0, 1)}
+    assert all(0 < ms < 1e3 for *_, ms in timed) and {cls for _, cls, _, _ in timed} <= {1, 2}
     assert medusa.totals.verify_steps == 0 and engine.counts.generated_tokens == 0  # warmup's steps are not traffic
-    assert not medusa.choice.accepted.entries
+    assert not medusa.choice.acceptance  # nor is what the warmup prompt's drafts kept
     # What a replica's /metrics says of the choice.
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
@@ -217,13 +222,12 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     samples = {(s.name, s.labels.get("batch"), s.labels.get("sampling")): s.value
                for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     trees = engine.stats().speculation.trees
-    assert {t.batch for t in trees} == set(timed)
+    assert {(t.batch, t.kind) for t in trees} >= {(1, GREEDY), (1, TEMPERED)}
     for t in trees:
-        key = (str(t.batch), "greedy" if t.greedy else "sampled")
-        assert samples[("sala_spec_tree_nodes", *key)] == t.nodes == medusa.choice.best(t.batch, t.greedy)[0]
-        assert samples[("sala_spec_expected_speedup", *key)] == pytest.approx(t.speedup)
-        assert samples[("sala_spec_warmup_speedup", *key)] == pytest.approx(t.warmup_speedup)
-        assert t.speedup == pytest.approx(t.warmup_speedup)  # no decode step has run yet: nothing corrects it
+        key = (str(t.batch), t.kind)
+        rates = medusa.choice.rates(t.kind, t.batch)
+        assert samples[("sala_spec_tree_nodes", *key)] == t.nodes == medusa.choice.best(rates)
+        assert samples[("sala_spec_expected_speedup", *key)] == pytest.approx(t.speedup) == rates[t.nodes] / rates[0]
     calls = []
     fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)  # a[0]: parents [T]
     for nodes in (1, 4, 63):
@@ -252,26 +256,27 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     with medusa.choice.forcing(4):
         engine.generate(prompts[:2], [SamplingParams(max_tokens=N_NEW, temperature=1, seed=i, ignore_eos=True) for i in (0, 1)])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    # With the choice left to itself, every decode step with no prompt work is timed against
-    # warmup's time for its kind, but a verify right after a plain step (warmup times verify steps
-    # after verify steps); nothing else is (the forced steps above were not).
-    assert not medusa.choice.plain_times.entries and not medusa.choice.verify_times.entries
+    # With the choice left to itself, a decode step with no prompt work is timed SETTLE steps into
+    # a run of its candidate (the forced steps above were not timed).
+    counts = {key: est.count for key, est in medusa.choice.ms.items()}
     steps = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
+    took = medusa.choice.timed
+    timed_steps = []
+    medusa.choice.timed = lambda ms: timed_steps.append(medusa.choice._measured()) or took(ms)
     out = engine.generate(prompts[:6], params)
-    del engine.scheduler.schedule
+    del engine.scheduler.schedule, medusa.choice.timed
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-    decodes = [(s.decoding.rows - 1, not s.prefills) for s in steps if s.decodes]  # (tree, no prompt work)
-    expected = [n for i, (n, pure) in enumerate(decodes) if pure and not (n and i and not decodes[i - 1][0])]
-    timed = sorted([(step, 0) for step, _, _ in medusa.choice.plain_times.entries]
-                   + [(step, keys[0][1]) for step, keys, _ in medusa.choice.verify_times.entries])
-    assert [nodes for _, nodes in timed] == expected and len(expected) > N_NEW
+    pure = [s for s in steps if s.decodes and not s.prefills]
+    assert len(timed_steps) == len(pure) and sum(timed_steps) > N_NEW
+    added = sum(est.count for est in medusa.choice.ms.values()) - sum(counts.values())
+    assert added == sum(timed_steps)
 
 
 def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, tiny_sala_dir):
     """medusa_max_batch=1: a step with more than one decoding request decodes plainly, a step with
-    one verifies its tree; the requests keep their drafts through plain steps, and greedy
+    one verifies its tree (the 4-node one, fixed); the requests keep their drafts through plain steps, and greedy
     output is plain greedy's token for token."""
     from transformers import AutoTokenizer
 
@@ -280,7 +285,8 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 8, 12, 24)]
     plain = Engine(copy.deepcopy(base), tok, max_seqs=4, compile=False).generate(prompts[:4], params)
-    engine = Engine(copy.deepcopy(base), tok, max_seqs=4, compile=False, medusa=copy.deepcopy(heads), medusa_max_batch=1)
+    engine = Engine(copy.deepcopy(base), tok, max_seqs=4, compile=False, medusa=copy.deepcopy(heads), medusa_max_batch=1,
+                    medusa_nodes=4)
     steps = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(s := schedule()) or s
@@ -293,287 +299,141 @@ def test_plain_steps_above_medusa_max_batch_stay_lossless(base, heads, prompts, 
     assert out[3].spec.verify_steps > 0 and out[0].spec.verify_steps == 0
 
 
-def step(choice, nodes: int) -> None:
-    """The choice's history as if the decode step in flight verified the `nodes` candidate (0:
-    decoded plainly) after the last one: what its observe and timed calls are about."""
-    choice.previous, choice.current = choice.current, nodes
-
-
-def test_tree_choice_pays_by_measured_costs_and_backs_off_when_drafts_stop_paying():
-    """TreeChoice against the rule worked by hand: at n requests the candidate with the largest
-    accept_length x plain(n) / verify(n, tree) if that is at least MIN_SPEEDUP, else plain; the
-    accept length its prior scaled by what the window's verify steps accepted against their
-    priors; a candidate short of MIN_SPEEDUP but not of MIN_EXPLORED verified now and then while
-    the window has too few verify steps; observations age out after WINDOW_STEPS decode steps,
-    and then it verifies again."""
-    from sala.engine.tree_choice import (
-        EXPLORE_EVERY,
-        EXPLORE_STEPS,
-        MIN_OBSERVED,
-        MIN_TIMED,
-        WINDOW_STEPS,
-        TreeChoice,
-        candidate_sizes,
-    )
-
-    choice = TreeChoice(prior={1: 1.5, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
-    assert choice(64) == 16  # not timed yet: the whole tree
-    choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.0, (True, 16): 5.0, (False, 0): 2.0, (False, 1): 4.0},
-                      4: {(True, 0): 3.0, (True, 1): 4.0, (True, 4): 6.0, (True, 16): 12.0, (False, 0): 3.0}}
-    # n = 1: 1.5 x 2 / 2.5 = 1.2, 2.0 x 2 / 3 = 1.33, 2.4 x 2 / 5 = 0.96 -> 4 nodes. n = 4: 1.125, 1.0, 0.6:
-    # below MIN_SPEEDUP (1.15) -> plain. n = 2 (a third of the way): plain 2.33, one node 3.0: 1.17; four 4.0:
-    # 1.17 (a tie keeps the smaller). Sampled, n = 1: 1.5 x 2 / 4 = 0.75; beyond it no verify time: plain.
-    # n = 64: past the batch sizes timed, plain.
-    assert [choice.best(n, True)[0] for n in (1, 2, 4, 64)] == [4, 1, 0, 0] and choice.best(1, False)[0] == 0
-    assert choice.best(1, True) == (4, pytest.approx(4 / 3)) and choice(1) == 4
-    # Below MIN_SPEEDUP but at least MIN_EXPLORED (n = 4: one node, 1.125x), while the window holds too few
-    # verify steps, EXPLORE_STEPS in a row out of every EXPLORE_EVERY verify the top candidate anyway; sampled
-    # at n = 1 (0.75x): never.
-    first = choice.steps + 1
-    looks = {first + i: choice(4) for i in range(2 * EXPLORE_EVERY)}
-    assert looks == {step: 1 if step % EXPLORE_EVERY < EXPLORE_STEPS else 0 for step in looks}
-    assert not any(choice(1, greedy=False) for _ in range(2 * EXPLORE_EVERY))
-    # Past the largest batch size timed (warmup stopped there: nothing paid), plain steps and no looks.
-    assert not any(choice(5) for _ in range(2 * EXPLORE_EVERY)) and choice.step_times(5) == {}
-    # A text the heads do not know: greedy verifies of four nodes accept a quarter of what their prior says
-    # (and take as long as warmup timed them: the window holds verify steps enough, no more looks).
-    step(choice, 4)
-    step(choice, 4)  # verify steps after verify steps
-    observed_at = choice.steps
-    for _ in range(MIN_OBSERVED):
-        choice.observe(4, True, requests=1, accepted=0 if _ % 4 else 1)
-    for _ in range(MIN_TIMED):
-        choice.timed(4, True, 1, 3.0)
-    # A verify right after a plain step (its drafts made a token earlier, and it is not what warmup timed) is
-    # neither counted nor timed.
-    assert choice(1) == 0
-    step(choice, 1)
-    choice.observe(1, True, requests=1, accepted=0)
-    choice.timed(1, True, 1, 30.0)
-    assert choice.accepted[True][0] == MIN_OBSERVED and choice.verify_times[True, 1][0] == 0
-    assert choice.accept_length(4, True) == pytest.approx(1.25) and choice.accept_length(16, True) == pytest.approx(1.35)
-    # n = 1: 1.125 x 2 / 2.5 = 0.9, 1.25 x 2 / 3 = 0.83: plain.
-    assert choice(1) == 0 and choice(4) == 0 and choice.accept_length(4, False) == 2.0  # sampled steps: their own window
-    while choice.steps < observed_at + WINDOW_STEPS - 1:
-        assert choice(1) == 0
-    assert choice(1) == 4  # the observations aged out: it tries again
-    assert candidate_sizes("auto", 63, True) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63]
-    assert candidate_sizes("auto", 63, False) == [63] and candidate_sizes(8, 63, True) == [8] and candidate_sizes(0, 63, True) == []
-    with pytest.raises(ValueError, match="medusa_nodes=64 but the heads' tree has 63 nodes"):
-        candidate_sizes(64, 63, True)
-    fixed = TreeChoice(prior={8: 2.0}, max_batch=2, fixed=True)
-    assert [fixed(n) for n in (1, 2, 3)] == [8, 8, 0]
-
-
-def decode_one(choice, ms: dict[int, float], steps: int) -> list[int]:
-    """The trees `steps` decode steps of one request take under the choice, each step taking
-    ms[nodes] and, verifying, accepting what the tree's prior says."""
+def run_choice(choice, ms: dict[int, float], steps: int, n: int = 1, kept: float = 1.0) -> list[int]:
+    """`steps` decode steps of n greedy requests, each candidate's step taking ms[nodes] and keeping
+    `kept` times the drafts its prior expects: the candidate each step took."""
     taken = []
     for _ in range(steps):
-        nodes = choice(1)
-        choice.timed(nodes, True, 1, ms[nodes])
+        nodes = choice(n, GREEDY)
+        choice.timed(ms[nodes])
         if nodes:
-            choice.observe(nodes, True, requests=1, accepted=choice.prior[nodes] - 1)
+            choice.observe(n, n * kept * (choice.prior[nodes] - 1))
         taken.append(nodes)
     return taken
 
 
-def test_tree_choice_verifies_every_close_candidate_the_window_has_not_measured():
-    """Warmup ranked three close trees 2 > 3 > 4 nodes, and the 4-node one is in truth the best:
-    the 3-node tree is verified until measured, then the 4-node one (both within RIVAL_WITHIN of
-    the chosen one), which then takes the steps. Measuring only the runner-up, the 4-node tree
-    would never be verified."""
-    from sala.engine.tree_choice import MIN_TIMED, PROBE, RIVAL_WITHIN, TreeChoice
-
-    choice = TreeChoice(prior={2: 1.6, 3: 1.8, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
-    choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.25, (True, 3): 1.42, (True, 4): 1.6,
-                          (True, 16): 4.0}}
-    # By warmup: 1.28x, 1.27x, 1.25x (all within RIVAL_WITHIN of 1.28x), 0.6x. In truth the 4-node
-    # tree takes 1.45 ms: 1.38x.
-    assert choice.top(1, True) == (2, pytest.approx(1.28)) and 2.0 / 1.6 >= RIVAL_WITHIN * 1.28
-    taken = decode_one(choice, {0: 1.0, 2: 1.25, 3: 1.42, 4: 1.45}, 480)
-    first = {nodes: taken.index(nodes) for nodes in (3, 4)}
-    assert first[3] < first[4] and taken.count(3) >= MIN_TIMED and 16 not in taken
-    assert set(taken[len(taken) // 2:]) <= {0, 4}
+PRIOR = {1: 1.5, 2: 1.8, 4: 2.1, 8: 2.3, 16: 2.5}
+MS = {0: 1.0, 1: 1.2, 2: 1.3, 4: 1.5, 8: 2.2, 16: 3.0}  # tokens/ms: 1, 1.25, 1.38, 1.4, 1.05, 0.83
 
 
-def test_tree_choice_verifies_the_runner_up_until_its_own_steps_correct_its_time():
-    """Warmup timed the 4-node tree dearer than it is: expected at 0.95x the 2-node tree it is
-    the runner-up, verified EXPLORE_STEPS steps in a row out of every EXPLORE_EVERY until the
-    window has measured it (MIN_TIMED of its steps timed); its own steps correct its time, and it
-    is chosen though only 1.04x the 2-node tree (LARGER_BY is for trees the window has not
-    measured). Where warmup timed it right, it is not, and it stops being verified once measured."""
-    from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, LARGER_BY, MIN_TIMED, PROBE, RIVAL_WITHIN, TreeChoice
+def test_tree_choice_times_plain_then_trees_smallest_first_and_never_verifies_an_untimed_tree():
+    """Untimed, a class decodes plainly; then each tree, smallest first, takes TIMED measured steps
+    (the SETTLE first after a change are not measured) until one does worse than STOP_BELOW of the best;
+    then every step takes the best timed candidate by accept length / ms, but EXPLORE_STEPS in
+    every EXPLORE_EVERY, which take the runner-up and plain decoding in turns. The 16-node tree,
+    past the stop, is never verified."""
+    from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, SETTLE, TIMED, TreeChoice
 
-    def run(four_ms: float, steps: int = 480) -> tuple[list[int], TreeChoice]:
-        choice = TreeChoice(prior={2: 1.6, 4: 2.0, 16: 2.4}, max_batch=None, fixed=False)
-        choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.25, (True, 4): 1.65, (True, 16): 4.0}}
-        # 2 nodes: 1.6 / 1.25 = 1.28x; 4 nodes: 2.0 / 1.65 = 1.21x, within RIVAL_WITHIN of it; 16: 0.6x.
-        assert choice.top(1, True) == (2, pytest.approx(1.28)) and 2.0 / 1.65 >= RIVAL_WITHIN * 1.28
-        return decode_one(choice, {0: 1.0, 2: 1.25, 4: four_ms}, steps), choice
-
-    cheaper, choice = run(1.5)  # in truth 2.0 / 1.5 = 1.33x, 1.04x the 2-node tree's 1.28x
-    assert 2.0 / 1.5 < LARGER_BY * 1.28
-    first = cheaper[:EXPLORE_EVERY]
-    assert first[:EXPLORE_STEPS].count(4) >= EXPLORE_STEPS - 1 and set(first[EXPLORE_STEPS:]) <= {0, 2}
-    switched = next(i for i in range(len(cheaper)) if set(cheaper[i:]) <= {0, 4})
-    looked = cheaper[:switched].count(4)
-    assert MIN_TIMED <= looked <= 2 * MIN_TIMED and switched < len(cheaper) // 2
-    # The 16-node tree, never verified, is not taken as cheaper for what the 4-node tree's steps said.
-    assert choice.time_scale(4, True) == pytest.approx(1.65 / 1.5) and choice.time_scale(16, True) == 1.0
-    as_timed, _ = run(1.65)
-    assert set(as_timed[len(as_timed) // 2:]) <= {0, 2}  # its own steps say warmup was right
-    assert MIN_TIMED <= as_timed.count(4) <= 2 * MIN_TIMED
+    choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None)
+    taken = run_choice(choice, MS, 3 * EXPLORE_EVERY)
+    walk = [n for n in (0, 1, 2, 4, 8) for _ in range(SETTLE + TIMED)]
+    assert taken[: len(walk)] == walk and 16 not in taken
+    explored = [(i + 1) // EXPLORE_EVERY % 2 if (i + 1) % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS else None
+                for i in range(len(walk), len(taken))]
+    assert taken[len(walk):] == [4 if e is None else 0 if e else 2 for e in explored] and {0, 1} <= set(explored)
+    assert sorted(nodes for _, _, nodes, _ in choice.step_ms()) == [0, 1, 2, 4, 8]
+    assert [(r.batch, r.kind, r.nodes) for r in choice.table()] == [(1, GREEDY, 4)]
+    assert choice.table()[0].speedup == pytest.approx(2.1 / 1.5)
+    # Another batch size class is timed on its own (batches of 2 and 3 share one), from plain decoding.
+    assert run_choice(choice, MS, 2, n=3) == [0, 0] and choice(2, GREEDY) == 0
 
 
-def test_tree_choice_scales_every_candidates_acceptance_by_the_windows_not_by_its_own_steps():
-    """Texts differ more than trees do: the 2-node tree verified on easy text (all of its prior's
-    drafts and more), then the 4-node one on hard text (half of its prior's). Each candidate's
-    accept length is its prior scaled by what every verify step in the window accepted against
-    its tree's prior (worked by hand below), so the 4-node tree, the better one by the priors and
-    warmup's times, stays chosen; judged by its own steps it would look worse than the 2-node tree."""
-    from sala.engine.tree_choice import MIN_OBSERVED, MIN_TIMED, PROBE, TreeChoice
+def test_tree_choice_follows_the_steps_it_takes():
+    """Both running estimates move with the steps: verify steps that keep 0.7 of what the heads'
+    acceptance promised shrink every tree's expected accept length, and the choice goes to a
+    smaller tree; the chosen tree's steps getting dearer send it to the next best. The first step
+    after a change, forced steps (warmup's compiling) and pauses past OUTLIER times the estimate
+    do not count."""
+    from sala.engine.tree_choice import OUTLIER, SETTLE, WEIGHT, TreeChoice
 
-    choice = TreeChoice(prior={2: 1.6, 4: 2.0}, max_batch=None, fixed=False, steps=10, previous=2, current=2)
-    choice.step_ms = {1: {(True, 0): 1.0, (True, PROBE): 1.0, (True, 2): 1.2, (True, 4): 1.4}}
-    for nodes, accepted in ((2, 0.9), (4, 0.5)):  # drafts a step, against priors of 0.6 and 1.0
-        step(choice, nodes)  # verify steps after verify steps: each counted and timed
-        for _ in range(MIN_OBSERVED):
-            step(choice, nodes)
-            choice.steps += 1
-            choice.observe(nodes, True, requests=1, accepted=accepted)
-            choice.timed(nodes, True, 1, choice.step_ms[1][True, nodes])
-        step(choice, 0)
-        for _ in range(MIN_TIMED):
-            choice.timed(0, True, 1, 1.0)
-    scale = (0.9 + 0.5) / (0.6 + 1.0)
-    assert choice.accept_length(2, True) == pytest.approx(1 + scale * 0.6)
-    assert choice.accept_length(4, True) == pytest.approx(1 + scale * 1.0)
-    # 2 nodes: (1 + 0.875 x 0.6) / 1.2 = 1.27x; 4 nodes: 1.875 / 1.4 = 1.34x. By their own steps
-    # they would be 1.9 / 1.2 = 1.58x and 1.5 / 1.4 = 1.07x.
-    assert choice.best(1, True) == (4, pytest.approx(1.875 / 1.4))
-
-
-def test_tree_choice_corrects_warmups_step_times_by_the_steps_it_takes():
-    """The machine's speed drifts over a run, and not alike for every kind of step. The choice
-    scales verify against plain by exp(mean log(took / warmup's time)) of each kind over the
-    window, a candidate without MIN_TIMED steps of its own taken as all verify steps, a plain
-    step right after a verify compared with warmup's probe time; and while it verifies it takes a
-    plain step every PROBE_EVERY decode steps (PROBE_SOON while fewer than MIN_TIMED plain steps
-    are in the window) to know what one takes now."""
-    import math
-
-    from sala.engine.tree_choice import MAX_LOG_DRIFT, MIN_TIMED, PROBE, PROBE_EVERY, PROBE_SOON, VERIFY, WINDOW_STEPS, TreeChoice
-
-    choice = TreeChoice(prior={1: 1.5, 4: 2.0}, max_batch=None, fixed=False)
-    choice.step_ms = {1: {(True, 0): 2.0, (True, PROBE): 2.6, (True, 1): 2.5, (True, 4): 3.0, (False, 0): 2.0},
-                      2: {(True, 0): 3.0, (True, PROBE): 3.6, (True, 1): 4.0, (True, 4): 5.0}}
-    # By warmup alone, n = 1: 1.5 x 2 / 2.5 = 1.2, 2 x 2 / 3 = 1.33 -> 4 nodes; with no plain step timed
-    # yet, every PROBE_SOON-th step is plain.
-    picks = [choice(1) for _ in range(3 * PROBE_SOON)]
-    assert picks == ([4] * (PROBE_SOON - 1) + [0]) * 3 and choice.time_scale(4, True) == 1.0
-    step(choice, 4)
-    choice.timed(4, True, 1, 3.3)  # too few steps of either kind: warmup's times stand
-    assert choice.best(1, True) == (4, pytest.approx(4 / 3))
-    # Plain steps take 0.75 of warmup's time at their batch size (1.5 ms at n = 1, 1.875 at n = 1.5 -> 2.5 ms;
-    # right after a verify step 0.75 of the probe's, 1.95 ms), the 4-node verify 1.1 of it: 4 nodes scale by
-    # 0.75 / 1.1 -> 0.91x; the 1-node tree, with no steps of its own, by the same (every verify step's
-    # drift): 1.2 x 0.682 = 0.82x. Both below MIN_SPEEDUP: plain.
-    step(choice, 0)
-    choice.timed(0, True, 1, 0.75 * 2.6)
-    assert choice.plain_times[True] == [1, pytest.approx(math.log(0.75))]
-    step(choice, 0)
-    for _ in range(MIN_TIMED):
-        choice.timed(0, True, 1, 1.5)
-        choice.timed(0, True, 2, 2.25)
-    step(choice, 4)
-    step(choice, 4)
-    for _ in range(MIN_TIMED):
-        choice.timed(4, True, 2, 5.5)
-    ratio = 0.75 / 1.1
-    assert choice.time_scale(4, True) == pytest.approx(ratio) and choice.time_scale(1, True) == pytest.approx(ratio)
-    assert choice.speedup(choice.step_times(1), 4, True) == pytest.approx(4 / 3 * ratio)
-    assert choice.speedup(choice.step_times(1), 4, True, live=False) == pytest.approx(4 / 3)
-    assert choice(1) == 0 and choice(2) == 0
-    assert choice.table()[0].warmup_speedup == 1.0 and choice.table()[0].speedup == 1.0  # plain
-    # The 1-node tree's own steps are as warmup said (0.75 against plain's 0.75): 1.2x, chosen.
-    step(choice, 1)
-    step(choice, 1)
-    for _ in range(MIN_TIMED):
-        choice.timed(1, True, 1, 1.875)
-    assert choice.time_scale(1, True) == pytest.approx(1.0) and choice.best(1, True) == (1, pytest.approx(1.2))
-    row = choice.table()[0]
-    assert (row.batch, row.nodes, row.speedup, row.warmup_speedup) == (1, 1, pytest.approx(1.2), pytest.approx(1.2))
-    # A pause counts as at most e times warmup's step time; sampled steps keep a drift of their own.
-    step(choice, 0)
-    step(choice, 0)
-    choice.timed(0, False, 1, 1e6)
-    assert choice.plain_times[False] == [1, MAX_LOG_DRIFT] and choice.time_scale(1, False) == 1.0
-    # Probes: verifying, at least one decode step in PROBE_EVERY is plain.
-    picks = [choice(1) for _ in range(3 * PROBE_EVERY)]
-    assert picks.count(0) == 3 and set(picks) == {0, 1} and picks[PROBE_EVERY - 1] == 0, picks  # the last plain step: two before the first pick
-    # Timings age out with the window: warmup's times stand again.
-    while choice.steps < WINDOW_STEPS + 100:
-        choice(1)
-    assert not choice.plain_times.entries and not choice.verify_times.entries
-    assert all(n == 0 for window in (choice.plain_times, choice.verify_times) for n, _ in window.sums.values())
-    assert (True, VERIFY) in choice.verify_times.sums
-    assert choice.time_scale(4, True) == 1.0 and choice(1) == 4
-    # Warmup's own steps (forced) are not counted.
+    choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None,
+                        step_ms=[[GREEDY, 1, nodes, ms] for nodes, ms in MS.items()])
+    assert choice(1, GREEDY) == 4  # read from the cache: timed, no walk
+    taken = run_choice(choice, MS, 120, kept=0.7)
+    assert choice.acceptance[GREEDY, 0].mean == pytest.approx(0.7, abs=0.05) and taken[-1] == by_hand(choice, MS) == 2
+    dear = MS | {2: 3.0}
+    assert run_choice(choice, dear, 200, kept=0.7)[-1] == by_hand(choice, dear) == 4
+    assert choice.ms[GREEDY, 1, 2].mean > MS[2]  # one dear step was enough to leave it
+    before = choice.ms[GREEDY, 1, 4].mean
     with choice.forcing(4):
-        choice.timed(4, True, 1, 3.0)
-    assert not choice.plain_times.entries and not choice.verify_times.entries
-    assert math.isclose(choice.plain_times[True][1], 0.0, abs_tol=1e-9)
+        choice(1, GREEDY), choice.timed(100.0), choice(1, GREEDY), choice.timed(100.0)
+    assert choice.ms[GREEDY, 1, 4].mean == before
+    for _ in range(SETTLE):  # the forced steps count as steps of its run
+        assert choice(1, GREEDY) == 4 and choice.run >= SETTLE
+        choice.timed(before)
+    choice.timed(1e3)  # counted as OUTLIER times the estimate
+    assert choice.ms[GREEDY, 1, 4].mean == pytest.approx(before + WEIGHT * (OUTLIER - 1) * before)
+    # A tree's own verify steps set its expected accept length; one that has not verified takes
+    # what every tree's steps kept against their validation figures.
+    other = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None, acceptance=[[GREEDY, 0, 0.9], [GREEDY, 4, 0.5]])
+    assert other.accept_length(GREEDY, 4) == pytest.approx(1 + 0.5 * (PRIOR[4] - 1))
+    assert other.accept_length(GREEDY, 2) == pytest.approx(1 + 0.9 * (PRIOR[2] - 1))
+    # Plain decoding is taken unless a tree is expected at PLAIN_MARGIN times its tokens/s.
+    assert TreeChoice.best({0: 1.0, 4: 1.05}) == 0 and TreeChoice.best({0: 1.0, 4: 1.15}) == 4
 
 
-def test_tree_choice_weighs_the_candidates_again_whenever_what_it_weighs_them_by_changes():
-    """The choice is made every decode step from what it remembers of the last weighing at that
-    batch size: acceptance entering the window, a new set of warmup times, or plain steps' times
-    becoming many enough to compare verify steps' by must each change it as the rule says."""
-    from sala.engine.tree_choice import MIN_OBSERVED, MIN_TIMED, TreeChoice
-
-    def weighed() -> TreeChoice:
-        # n = 1: 1.5 x 2 / 2.5 = 1.2, 2 x 2 / 3 = 1.33 -> 4 nodes
-        choice = TreeChoice(prior={1: 1.5, 4: 2.0}, max_batch=None, fixed=False, steps=10, previous=4, current=4)
-        choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.0}}
-        assert choice.best(1, True) == (4, pytest.approx(4 / 3))
-        return choice
-
-    # A larger candidate must be expected at LARGER_BY times the best smaller one: four nodes at 3.3 ms,
-    # 2 x 2 / 3.3 = 1.21x, are within 5% of one node's 1.2x.
-    choice = weighed()
-    choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 2.5, (True, 4): 3.3}}
-    assert choice.best(1, True) == (1, pytest.approx(1.2))
-    # Verify steps that accept nothing: accept lengths 1 -> 0.8x and 0.67x, plain.
-    choice = weighed()
-    for _ in range(MIN_OBSERVED):
-        choice.steps += 1
-        choice.observe(4, True, requests=1, accepted=0)
-    assert choice.best(1, True) == (0, 1.0)
-    # New warmup times: a one-node verify at 1 ms -> 1.5 x 2 / 1 = 3x.
-    choice = weighed()
-    choice.step_ms = {1: {(True, 0): 2.0, (True, 1): 1.0, (True, 4): 3.0}}
-    assert choice.best(1, True) == (1, pytest.approx(3.0))
-    # Verify steps took twice warmup's time; it counts only once plain steps are timed beside them
-    # (as warmup said): then 1.33 / 2 and 1.2 / 2, plain.
-    choice = weighed()
-    for _ in range(MIN_TIMED):
-        choice.timed(4, True, 1, 6.0)
-    assert choice.best(1, True) == (4, pytest.approx(4 / 3))
-    step(choice, 0)
-    step(choice, 0)
-    for _ in range(MIN_TIMED):
-        choice.timed(0, True, 1, 2.0)
-    assert choice.best(1, True) == (0, 1.0) and choice.time_scale(4, True) == pytest.approx(0.5)
+def by_hand(choice, ms: dict[int, float]) -> int:
+    """The candidate with the most tokens per ms by `ms` and the choice's acceptance scale now, a
+    tree only at 1.1 times plain decoding's or more."""
+    scale = choice.acceptance[GREEDY, 0].mean
+    rates = {n: (1 + scale * (PRIOR[n] - 1) if n else 1) / t for n, t in ms.items()}
+    best = max(rates, key=rates.get)
+    return best if rates[best] >= 1.1 * rates[0] else 0
 
 
-def test_warmup_times_no_tree_cheaper_than_a_smaller_one():
-    """Warmup's verify times are raised to every smaller tree's (the times noise gave a 16-node
-    tree below a 6-node one's on the 2-core VM, in order of size)."""
-    from sala.engine.medusa_decoding import at_least_smaller_trees
+def fresh_engine(base, heads, tok, **settings):
+    return Engine(copy.deepcopy(base), tok, compile=False, medusa=copy.deepcopy(heads), **settings)
 
-    measured = {16: 2.85, 1: 1.47, 4: 1.63, 6: 3.0, 8: 2.79, 12: 2.76, 24: 3.34}
-    assert at_least_smaller_trees(measured) == {1: 1.47, 4: 1.63, 6: 3.0, 8: 3.0, 12: 3.0, 16: 3.0, 24: 3.34}
+
+def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_second_reads_them(
+        base, heads, prompts, tiny_sala_dir, own_step_costs, caplog):
+    """A fresh engine, no warmup(), no costs on disk: its first decode steps are plain, each tree it
+    verifies was timed first (or is being timed, smallest first), and its greedy output is plain
+    greedy's. The times it measured are on disk, and a second engine with
+    the same key starts with them (its first decode step verifies the chosen tree); an unreadable
+    file, or one of another key, is ignored with a log line; a changed key measures again."""
+    from transformers import AutoTokenizer
+
+    from sala.engine.medusa_decoding import TreeVerify
+    from sala.engine.tree_choice import SETTLE, TIMED
+
+    tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
+    params = SamplingParams(max_tokens=4 * N_NEW, temperature=0, ignore_eos=True)
+    plain = Engine(copy.deepcopy(base), tok, max_seqs=1, compile=False).generate(prompts[:4], params)
+    engine = fresh_engine(base, heads, tok, max_seqs=1)
+    choice = engine.decoding.choice
+    steps = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append((s := schedule(), choice.untimed(GREEDY, 1))) or s
+    out = engine.generate(prompts[:4], params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    decodes = [(s.decoding.rows - 1 if isinstance(s.decoding, TreeVerify) else 0, untimed)
+               for s, untimed in steps if s.decodes]
+    assert decodes[0] == (0, 0)
+    timed = {nodes for kind, cls, nodes, _ in choice.step_ms() if (kind, cls) == (GREEDY, 1)}
+    walk = [nodes for nodes, untimed in decodes if untimed is not None]
+    assert walk == sorted(walk) and walk[: SETTLE + TIMED] == [0] * (SETTLE + TIMED)  # plain, then trees smallest first
+    for nodes, untimed in decodes:  # every tree verified was timed, or was the one being timed
+        assert nodes == untimed or nodes in timed
+    assert choice.untimed(GREEDY, 1) is None and 0 in timed and len(timed) >= 2
+    (path,) = own_step_costs.glob("*.json")
+    second = fresh_engine(base, heads, tok, max_seqs=1)
+    saved = json.loads(path.read_text())  # as they were when the last candidate became timed
+    again = second.decoding.choice
+    assert again.step_ms() == saved["step_ms"] and [r[:3] for r in saved["step_ms"]] == [r[:3] for r in choice.step_ms()]
+    assert again.kept() == saved["acceptance"] and [GREEDY, 0] in [r[:2] for r in saved["acceptance"]]
+    untimed, rates = again.weigh(GREEDY, 1)  # the choice made: the best timed candidate (or a larger tree's timing)
+    assert 0 in rates and untimed != 0
+    first = untimed if untimed is not None else again.best(rates)
+    assert second.decoding.for_step([second.add_request(prompts[0], params)]).rows == first + 1
+    assert fresh_engine(base, heads, tok, max_seqs=2).decoding.choice.step_ms() == []  # another key
+    for bad in ("{not json", json.dumps({"key": {"other": 1}, "step_ms": [["greedy", 1, 0, 1.0]], "acceptance": []}),
+                json.dumps(saved | {"step_ms": [["greedy", 1, 0, -1.0]]})):
+        path.write_text(bad)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sala.engine.step_costs"):
+            assert fresh_engine(base, heads, tok, max_seqs=1).decoding.choice.step_ms() == []
+        assert "ignoring the Medusa step costs" in caplog.text and str(path) in caplog.text
 
 
 def test_medusa_settings_parse_and_name_what_is_wrong():
@@ -610,7 +470,7 @@ def test_prefix_cache_keys_each_page_by_its_own_tokens_after_verify_steps(base, 
     from transformers import AutoTokenizer
 
     engine = Engine(copy.deepcopy(base), AutoTokenizer.from_pretrained(tiny_sala_dir), max_seqs=2, compile=False,
-                    medusa=copy.deepcopy(heads))
+                    medusa=copy.deepcopy(heads), medusa_nodes=whole(heads))
     out = engine.generate(prompts[:8], SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
     assert engine.decoding.totals.accept_length > 1.3
     ps, pages = engine.cache.page_size, 0

@@ -43,7 +43,8 @@ def test_training_lowers_every_head_loss_and_raises_accept_length(setup, medusa_
     ev_before, ev_after = train.evaluate(before, base, val), train.evaluate(after, base, val)
     print("val loss per head:", [f"{a:.2f} -> {b:.2f}" for a, b in zip(ev_before["loss"], ev_after["loss"])])
     assert all(b < a - 0.5 for a, b in zip(ev_before["loss"], ev_after["loss"]))  # measured: ~8.0 -> ~7.1 on raw text
-    lengths = [train.accept_length(Engine(copy.deepcopy(base), tok, compile=False, medusa=h), prompts, 24)
+    lengths = [train.accept_length(Engine(copy.deepcopy(base), tok, compile=False, medusa=h,
+                                          medusa_nodes=h.tree.num_nodes - 1), prompts, 24)
                for h in (before, after)]
     print(f"accept length: untrained {lengths[0]:.2f}, trained {lengths[1]:.2f}")
     assert lengths[1] > lengths[0] + 0.3  # measured: ~1.1 -> ~2.0

@@ -350,9 +350,9 @@ def heads_checkpoint(tiny_sala_dir, tmp_path_factory):
 def test_medusa_generation_is_lossless_and_logs_each_actors_tree_choice(tiny_sala_dir, heads_checkpoint, tmp_path,
                                                                         local_ray, mlflow_store, local_engine):
     """A checkpoint with Medusa heads generates with what its engine actor chose at start-up (the
-    default, medusa_nodes='auto'; heads with no measured acceptance: their tree while it pays):
-    greedy rows equal plain greedy decoding, and the actor's choice (per batch size timed, the
-    tree, its expected accept length and speedup; the step times) is in the job's MLflow run."""
+    default, medusa_nodes='auto'; heads with no measured acceptance: their tree where it pays):
+    greedy rows equal plain greedy decoding, and the actor's choice (per batch size class timed,
+    the tree, its expected accept length and speedup; the step times) is in the job's MLflow run."""
     rows = prompts(tiny_sala_dir, 6)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
@@ -364,13 +364,13 @@ def test_medusa_generation_is_lossless_and_logs_each_actors_tree_choice(tiny_sal
     assert list(pq.read_table(str(out)).to_pandas()["generated_text"]) == [c.text for c in expected]
     import mlflow
 
-    from sala.engine.tree_choice import MIN_SPEEDUP
-
     mlflow.set_tracking_uri(mlflow_store)
     (run,) = mlflow.search_runs(experiment_names=["generate"], output_format="list")
     (artifact,) = mlflow.artifacts.list_artifacts(run_id=run.info.run_id, artifact_path="medusa_trees")
     choice = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/{artifact.path}")
-    assert choice["describe"].startswith("Medusa trees chosen from measured step costs") and "greedy_3" in choice["step_ms"]["1"]
-    assert {t["batch"] for t in choice["trees"]} == {int(n) for n in choice["step_ms"]} and 1 in {t["batch"] for t in choice["trees"]}
-    assert all(t["nodes"] == 0 or t["speedup"] >= MIN_SPEEDUP for t in choice["trees"])
+    assert choice["describe"].startswith("Medusa trees chosen from measured step costs")
+    assert ["greedy", 1, 0] in [row[:3] for row in choice["step_ms"]]  # [kind, batch size class, nodes, ms]
+    assert {(t["kind"], t["batch"]) for t in choice["trees"]} <= {(k, c) for k, c, _, _ in choice["step_ms"]}
+    assert ("greedy", 1) in {(t["kind"], t["batch"]) for t in choice["trees"]}
+    assert all(t["nodes"] == 0 or t["speedup"] >= 1 for t in choice["trees"])
     assert run.data.params["medusa_nodes"] == "None"
