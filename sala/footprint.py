@@ -124,11 +124,14 @@ class CheckpointFootprint:
 
     def fused_bytes(self) -> int:
         """What an Engine's fused projections copy (sala.model.concat_linears): the parameters
-        that fusing adds, counted on the meta model."""
+        and buffers (packed NVFP4) that fusing adds, counted on the meta model."""
+        def tensors(model) -> dict:  # an NVFP4 Linear's packed weight and scales are buffers
+            return dict(model.named_parameters()) | dict(model.named_buffers())
+
         model = self.meta_model()
-        before = dict(model.named_parameters())
+        before = tensors(model)
         model.model.fuse_projections()
-        return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in before)
+        return sum(t.numel() * t.element_size() for name, t in tensors(model).items() if name not in before)
 
     def engine_need(self, what: str, own: dict[str, int], engines: int = 1, tree_rows: int | None = None,
                     **settings) -> Need:

@@ -69,7 +69,9 @@ class NVFP4Linear(nn.Module):
         fused.weight_packed = torch.cat([p.weight_packed for p in parts])
         fused.weight_scale = torch.cat([p.weight_scale for p in parts])
         scales = [p.weight_global_scale.reshape(-1) for p in parts]
-        if all(torch.equal(s, scales[0]) and s.numel() == 1 for s in scales):
+        # On the meta device (what a footprint estimate fuses) the values are unknown: one per row,
+        # the larger of the two.
+        if not first.weight_packed.is_meta and all(torch.equal(s, scales[0]) and s.numel() == 1 for s in scales):
             fused.weight_global_scale = scales[0].clone()
         else:
             fused.weight_global_scale = torch.cat([s.expand(p.out_features) for s, p in zip(scales, parts)])

@@ -222,7 +222,10 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     samples = {(s.name, s.labels.get("batch"), s.labels.get("sampling")): s.value
                for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     trees = engine.stats().speculation.trees
-    assert {(t.batch, t.kind) for t in trees} >= {(1, GREEDY), (1, TEMPERED)}
+    # One row for each class whose timing warmup finished: which ones did depends on the step times
+    # (a class whose trees keep paying is timed further, at traffic's first steps).
+    done = {(cls, kind) for kind, cls, _, _ in timed if medusa.choice.untimed(kind, cls) is None}
+    assert trees and {(t.batch, t.kind) for t in trees} == done
     for t in trees:
         key = (str(t.batch), t.kind)
         rates = medusa.choice.rates(t.kind, t.batch)
