@@ -2,7 +2,7 @@
 wall time, on random-weight MiniCPM-SALA checkpoints of 2, 4, 8 and 32 layers (sala/realwidth.py:
 the 9B's widths and layer pattern; 32 layers is the whole 9B, 19 GB in BF16).
 
-    python bench/scale.py [--layers 2 4 8 32] [--gptq-layers 2 4] [--stages quantize engine serve kv] [--fresh]
+    python bench/scale.py [--layers 2 4 8 32] [--gptq-layers 2 4] [--stages quantize engine serve kv] [--eager] [--fresh]
 
 Stages, each in a process (tree) of its own, measured by bench/memwatch.py:
 - quantize: `python pipelines/quantize.py --method rtn` with its gate (export and logprob gate
@@ -13,6 +13,7 @@ Stages, each in a process (tree) of its own, measured by bench/memwatch.py:
   bound 1.25 x the checkpoint's bytes + the engine's cache budget;
 - serve: `python -m serve.app` on the RTN checkpoint, from its start to the answer of its first
   completion;
+  --eager runs both without compiling the decode step (rows "engine eager", "serve eager").
 - kv: one KV-sensitivity ablation (sala/kv/measure.py: the reference cache's logprobs and one
   plan measured, 2 windows of 128 tokens) on the BF16 checkpoint, in its dtype.
 
@@ -51,7 +52,7 @@ from bench.memwatch import PeakMemory
 from sala.engine import Engine, SamplingParams
 with PeakMemory(interval=0.5) as peak:
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(sys.argv[1])
+    engine = Engine.from_pretrained(sys.argv[1], compile=sys.argv[2] == "compiled")
     t1 = time.perf_counter()
     (out,) = engine.generate([[1, 1100, 1200, 1300, 1400, 1500, 1600, 1700]],
                              SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
@@ -107,23 +108,23 @@ def quantize(model: Path, out: Path, method: str, env: dict) -> dict:
             "kl_mean": summary["kl_mean"]}
 
 
-def child(code: str, arg: Path, env: dict) -> dict:
-    result, peak = run_measured([sys.executable, "-c", code, str(arg)], env=env, cwd=ROOT, interval=INTERVAL)
+def child(code: str, arg: Path, env: dict, *more: str) -> dict:
+    result, peak = run_measured([sys.executable, "-c", code, str(arg), *more], env=env, cwd=ROOT, interval=INTERVAL)
     if result.returncode != 0:
         raise RuntimeError(f"stage failed:\n{result.stderr[-3000:]}")
     return last_json(result.stdout) | {"peak_system_gib": peak.gib(peak.peak_system_bytes),
                                        "peak_tree_gib": peak.gib(peak.peak_tree_bytes), "seconds": peak.seconds}
 
 
-def engine(ckpt: Path, env: dict) -> dict:
-    row = child(ENGINE, ckpt, env | ONE_THREAD)
+def engine(ckpt: Path, env: dict, compiled: bool) -> dict:
+    row = child(ENGINE, ckpt, env | ONE_THREAD, "compiled" if compiled else "eager")
     ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     bound = 1.25 * ckpt_bytes + row["budget_bytes"]
     return row | {"checkpoint_gib": ckpt_bytes / GIB, "budget_gib": row["budget_bytes"] / GIB,
                   "growth_gib": row["growth_bytes"] / GIB, "growth_over_bound": row["growth_bytes"] / bound}
 
 
-def serve(ckpt: Path, env: dict) -> dict:
+def serve(ckpt: Path, env: dict, compiled: bool) -> dict:
     """python -m serve.app from its start to its first completion's answer."""
     import socket
 
@@ -131,7 +132,8 @@ def serve(ckpt: Path, env: dict) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "serve.app", "--model", str(ckpt), "--port", str(port)], env=env | ONE_THREAD, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "serve.app", "--model", str(ckpt), "--port", str(port),
+                             *([] if compiled else ["--no-compile"])], env=env | ONE_THREAD, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0)
     try:
         with PeakMemory(root=proc.pid, interval=INTERVAL) as peak:
@@ -163,6 +165,7 @@ def main() -> int:
     ap.add_argument("--stages", nargs="+", default=["quantize", "engine", "serve", "kv"],
                     choices=["quantize", "engine", "serve", "kv"])
     ap.add_argument("--fresh", action="store_true", help="measure every row again")
+    ap.add_argument("--eager", action="store_true", help="the engine and the server without compiling the decode step")
     args = ap.parse_args()
     from sala.realwidth import ensure_realwidth
 
@@ -179,6 +182,7 @@ def main() -> int:
         print(f"  {key}: {json.dumps(results[key])}", flush=True)
         return results[key]
 
+    mode = " eager" if args.eager else ""
     for n in args.layers:
         model = ensure_realwidth(n)
         rtn = home / "bench-scale" / f"rtn-{n}L"
@@ -187,9 +191,9 @@ def main() -> int:
             if n in args.gptq_layers:
                 measure(f"quantize gptq {n}L", lambda: quantize(model, home / "bench-scale" / f"gptq-{n}L", "gptq", env))
         if "engine" in args.stages and rtn.exists():
-            measure(f"engine {n}L", lambda: engine(rtn, env))
+            measure(f"engine{mode} {n}L", lambda: engine(rtn, env, not args.eager))
         if "serve" in args.stages and rtn.exists():
-            measure(f"serve {n}L", lambda: serve(rtn, env))
+            measure(f"serve{mode} {n}L", lambda: serve(rtn, env, not args.eager))
         if "kv" in args.stages:
             measure(f"kv {n}L", lambda: child(KV, model, env))
 
@@ -200,7 +204,7 @@ def main() -> int:
         notes = ""
         if stage.startswith("quantize"):
             notes = f"quantize {r['quantize_seconds']:.0f} s, gate {'passed' if r['gate_passed'] else 'failed'}"
-        elif stage == "engine":
+        elif stage.startswith("engine"):
             notes = (f"load {r['load_seconds']:.1f} s, 32 tokens {r['decode_seconds']:.1f} s; growth {r['growth_gib']:.2f} GiB = "
                      f"{r['growth_over_bound']:.2f} x (1.25 x {r['checkpoint_gib']:.2f} + {r['budget_gib']:.2f})")
         elif stage == "kv":
