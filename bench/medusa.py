@@ -17,7 +17,8 @@ medusa_decoding.CompiledTreeVerify); both are warmed up before anything is timed
 Medusa engine's warmup times the steps its choice is made by (printed). Prompts: windows of the
 model's held-out text, which the heads never saw; ignore_eos, `batch` requests in flight (one
 that finishes is replaced at once, as in a server). Sampled: temperature 0.7, a seed a request.
-Each run of Medusa (the engine's choice, or a fixed tree verified at every step) is timed
+Each run of Medusa (the engine's choice, a fixed tree verified at every step, or with `--trees 0`
+plain steps of the Medusa engine: what a Medusa engine's plain step costs) is timed
 against plain decoding of the same prompts, the two engines stepped in turns of 50 ms while
 both have `batch` requests in flight (`interleaved`), and its speedup is its tokens/s over
 plain's; the variants take turns within each of `--repeats` rounds, and the figure printed is
@@ -146,7 +147,7 @@ def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens:
               for i in range(len(prompts))]
     runs = [InFlight(plain, prompts, params, batch), InFlight(medusa, prompts, params, batch)]
     timed = [[0, 0.0], [0, 0.0]]  # [tokens, seconds] of each engine's turns
-    forcing = medusa.decoding.choice.forcing(nodes) if nodes else contextlib.nullcontext()
+    forcing = medusa.decoding.choice.forcing(nodes) if nodes is not None else contextlib.nullcontext()
     with forcing, medusa_counts(medusa) as counts:
         turn = 0
         while all(r.top_up() for r in runs):
@@ -213,7 +214,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint with medusa/ (default: the one pipelines/train_medusa.py writes for tiny-sala)")
     ap.add_argument("--trees", type=int, nargs="*", default=[4, 16, 63],
-                    help="fixed trees (node counts of the heads' tree's candidates) to run beside the engine's choice")
+                    help="fixed trees (node counts of the heads' tree's candidates) to run beside the engine's choice; 0: "
+                         "the Medusa engine decoding plainly at every step, what its plain step costs against a plain engine's")
     ap.add_argument("--uniform", help="the same heads trained with --weighting uniform, to compare accept length")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
     max_seqs = max(args.batch)
     plain = Engine.from_pretrained(path, medusa=False, device=device, max_seqs=max_seqs)
     medusa = Engine.from_pretrained(path, device=device, max_seqs=max_seqs)
-    unknown = sorted(set(args.trees) - set(medusa.decoding.verifies))
+    unknown = sorted(set(args.trees) - set(medusa.decoding.verifies) - {0})
     if unknown:
         print(f"error: --trees {unknown}: not candidates of {path}'s tree ({sorted(medusa.decoding.verifies)})",
               file=sys.stderr)
@@ -275,7 +277,7 @@ def main(argv=None) -> int:
         for mode in args.sampling:
             greedy = mode == "greedy"
             row = results.setdefault(str(b), {})[mode] = {}
-            variants = [("chosen", None)] + [(f"{n} nodes", n) for n in args.trees]
+            variants = [("chosen", None)] + [(f"{n} nodes" if n else "plain", n) for n in args.trees]
             pairs = {name: [] for name, _ in variants}
             for _ in range(args.repeats):  # the variants in turn within a repeat: drift spreads over all of them
                 for name, nodes in variants:

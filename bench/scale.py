@@ -7,7 +7,7 @@ the 9B's widths and layer pattern; 32 layers is the whole 9B, 19 GB in BF16).
 Stages, each in a process (tree) of its own, measured by bench/memwatch.py:
 - quantize: `python pipelines/quantize.py --method rtn` with its gate (export and logprob gate
   included), and at --gptq-layers GPTQ + FourOverSix on one worker; --num-samples 8 --seq-len 128,
-  8 gate prompts, 2 held-out windows;
+  8 gate prompts, 2 held-out windows; beside its peak, the memory line it printed before loading;
 - engine: Engine.from_pretrained on the RTN checkpoint, then 32 greedy tokens at batch 1
   (compiled decode, the default), its peak growth over the process after imports, against the
   bound 1.25 x the checkpoint's bytes + the engine's cache budget;
@@ -103,7 +103,8 @@ def quantize(model: Path, out: Path, method: str, env: dict) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     summary = last_json(result.stdout)
-    return {"peak_system_gib": peak.gib(peak.peak_system_bytes), "peak_tree_gib": peak.gib(peak.peak_tree_bytes),
+    said = next(line for line in result.stdout.splitlines() if line.startswith("memory "))
+    return {"said": " ".join(said.split()[1:]), "peak_system_gib": peak.gib(peak.peak_system_bytes), "peak_tree_gib": peak.gib(peak.peak_tree_bytes),
             "seconds": peak.seconds, "quantize_seconds": summary["quantize_seconds"], "gate_passed": summary["gate_passed"],
             "kl_mean": summary["kl_mean"]}
 
@@ -204,6 +205,7 @@ def main() -> int:
         notes = ""
         if stage.startswith("quantize"):
             notes = f"quantize {r['quantize_seconds']:.0f} s, gate {'passed' if r['gate_passed'] else 'failed'}"
+            notes += f"; said before loading: {r['said']}" if "said" in r else ""
         elif stage.startswith("engine"):
             notes = (f"load {r['load_seconds']:.1f} s, 32 tokens {r['decode_seconds']:.1f} s; growth {r['growth_gib']:.2f} GiB = "
                      f"{r['growth_over_bound']:.2f} x (1.25 x {r['checkpoint_gib']:.2f} + {r['budget_gib']:.2f})")

@@ -71,18 +71,19 @@ def relative_weight_error(weight: torch.Tensor, dequantized: torch.Tensor) -> fl
     """||dW||^2 / ||W||^2."""
     w = weight.float()
     den = w.square().sum().item()
-    return (dequantized.float() - w).square().sum().item() / den if den > 0 else 0.0
+    return torch.sub(dequantized.float(), w).square_().sum().item() / den if den > 0 else 0.0
 
 
 def relative_output_error(
     weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor
 ) -> float:
-    """tr(dW H dW^T) / tr(W H W^T); with H = 2/n X^T X this is ||X dW^T||^2 / ||X W^T||^2."""
+    """tr(dW H dW^T) / tr(W H W^T); with H = 2/n X^T X this is ||X dW^T||^2 / ||X W^T||^2.
+    Products in place: one [N, K] temporary at a time besides dW."""
     w = weight.float()
-    dw = dequantized.float() - w
     h = hessian.to(w.device, torch.float32)
-    den = ((w @ h) * w).sum().item()
-    return ((dw @ h) * dw).sum().item() / den if den > 0 else 0.0
+    den = (w @ h).mul_(w).sum().item()
+    dw = torch.sub(dequantized.float(), w)
+    return (dw @ h).mul_(dw).sum().item() / den if den > 0 else 0.0
 
 
 def _inverse_hessian_cholesky(
@@ -185,6 +186,7 @@ def gptq_quantize(
             err1[:, i] = err
         # Beyond the block: one lazy matmul instead of i2 - i1 rank-1 updates.
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    del u, u1, w, w1, err1, h  # the statistics below need neither the factor (K x K, u1 a view of it) nor the working copy
 
     if act_order:
         codes = codes[:, torch.argsort(perm)]

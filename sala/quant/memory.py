@@ -8,8 +8,10 @@ shards), so nothing here grows with the number of layers:
   one shard at a time on the device);
 - while it sums a layer's Hessians: the layer in fp32, one shard's activations, and every
   Hessian of the layer twice (the running sums and one shard's part);
-- while it runs GPTQ on the widest Linear: the layer's Hessians, two more K x K matrices (the
-  Cholesky factor and its inverse), and a few copies of the weight in fp32;
+- while it runs GPTQ on the widest Linear [N, K]: the layer's Hessians and, beside them, at most
+  3 K^2 + 8 N K fp32 values (gptq_bound): the Cholesky factor of H and its inverse while they
+  are made, then the weight's working copy and FourOverSix's candidates, the dequantized result
+  and the statistics' products;
 - RTN: a few fp32 copies of the largest weight.
 The driver holds one shard of the output while writing it and, for the gate, one layer in fp32
 beside its BF16 copy, every gate sequence's hidden states, and a chunk of lm_head and logits.
@@ -25,6 +27,15 @@ from sala.footprint import RUNTIME_BYTES, MemoryShortfall, Need, gib
 from sala.quant.layerwise import layer_groups
 
 FP32 = 4
+
+
+def gptq_bound(n: int, k: int) -> int:
+    """fp32 values sala.quant.gptq.gptq_quantize holds at its peak beside the Hessian of an [n, k]
+    weight, 3 k^2 + 8 n k: above its peak measured on CPU (the process's high-water mark, allocator
+    included) at k = 1024 and 2048 with n = 4k (30.6 and 28.8 k^2), k = n = 4096 (7.5 k^2),
+    k = 4096, n = 16384 (17.8 k^2), k = 8192, n = 1024 (2.4 k^2) and the 9B's down_proj,
+    k = 16384, n = 4096 (2.3 k^2, where the bound says 5)."""
+    return 3 * k * k + 8 * n * k
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +100,7 @@ def quantize_memory(config, sequences: int, seq_len: int, shards: int, method: s
         for m in (m for gs in groups.values() for g in gs for m in g):
             quantized.add(f"model.layers.{i}.{m}")
             n, k = named[m].out_features, named[m].in_features
-            gptq = max(gptq, (2 * k * k + 3 * n * k) * FP32)  # the factor and its inverse; the weight, its working copy, the result
+            gptq = max(gptq, gptq_bound(n, k) * FP32)
             rtn = max(rtn, 6 * n * k * FP32)  # the weight, its groups' scaled copies and codes
     output = sum(p.numel() * (9 / 16 if name.rsplit(".", 1)[0] in quantized else 2) for name, p in model.named_parameters())
     rows = -(-sequences // max(1, min(shards, sequences)))
