@@ -46,7 +46,7 @@ def status_bytes(field: str) -> int:
 def test_gptq_stays_within_the_bound_the_job_says(n, k):
     """GPTQ of an [n, k] weight (wide, and a k x k factor much larger than the weight) peaks, by this
     process's high-water mark over its resident memory before the call, below gptq_bound's fp32 values
-    beside the Hessian. The earlier bound, 2 k^2 + 3 n k, was below this peak at n = 4k."""
+    beside the Hessian (2 k^2 + 3 n k is below this peak at n = 4k)."""
     from sala.quant.gptq import gptq_quantize
 
     g = torch.Generator().manual_seed(0)
