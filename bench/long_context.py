@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from memwatch import status_bytes
 from prefill_vs_llama import equal_size_llama
 
 from sala.checkpoint import load_model
@@ -29,15 +30,10 @@ from sala.tiny import ensure_tiny_sala
 DECODE_TOKENS = 16
 
 
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-
 @torch.no_grad()
 def measure(model, n: int) -> dict:
     """One-shot prefill of n tokens with a cache, then greedy cached decode."""
-    base = rss_kib("VmRSS:")
+    base = status_bytes("VmRSS")
     ids = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
     t0 = time.perf_counter()
     o = model(ids, use_cache=True, logits_to_keep=1)
@@ -49,7 +45,7 @@ def measure(model, n: int) -> dict:
         tok = o.logits[:, -1:].argmax(-1)
     decode = time.perf_counter() - t0
     return {"prefill_s": round(prefill, 2), "decode_tok_s": round(DECODE_TOKENS / decode, 1),
-            "peak_mib": round((rss_kib("VmHWM:") - base) / 1024, 1)}
+            "peak_mib": round((status_bytes("VmHWM") - base) / 2**20, 1)}
 
 
 def build(name: str, max_len: int):

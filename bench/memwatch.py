@@ -13,6 +13,8 @@ Two peaks, each relative to its value when the watch started:
   seen in the tree once stays in it while it lives, even after its parent exits and it is
   reparented (a daemon that `ray start` leaves behind).
 
+One process's own peak is exact instead: `restart_high_water_mark()`, then `status_bytes("VmHWM")`.
+
 Benchmarks and tests import it (`from bench.memwatch import PeakMemory, run_measured` with the
 checkout on sys.path, or `from memwatch import ...` from a script in bench/); as a script it
 measures one command:
@@ -35,6 +37,20 @@ PROC = Path("/proc")
 GIB = 1 << 30
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _GONE = (FileNotFoundError, ProcessLookupError, PermissionError)  # a process that exits or is not ours while read
+
+
+def status_bytes(field: str) -> int:
+    """VmRSS, VmHWM, ...: this process's figure in /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def restart_high_water_mark() -> int:
+    """Restarts this process's VmHWM from its resident memory now (the kernel's own peak: exact, not
+    sampled), and returns that resident memory: `status_bytes("VmHWM")` less it is then the peak's
+    growth from here."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_bytes("VmRSS")
 
 
 def used_system_bytes() -> int:

@@ -92,6 +92,13 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.eval_prompts < 0 or args.eval_temperature <= 0:
         ap.error("--eval-prompts must be >= 0 and --eval-temperature > 0")
+    if args.tree:
+        from sala.medusa.tree import MC_SIM_7B_63
+
+        depth, ranks = max(map(len, MC_SIM_7B_63)), 1 + max(map(max, MC_SIM_7B_63))
+        if args.num_heads < depth or args.topk < ranks:
+            ap.error(f"--tree {args.tree} is {depth} heads deep and uses {ranks} ranks: it needs --num-heads >= {depth} "
+                     f"and --topk >= {ranks}")
     if args.seq_len <= args.prompt_len + args.num_heads + 1:
         ap.error("--seq-len must exceed --prompt-len by more than --num-heads + 1 tokens")
     return args

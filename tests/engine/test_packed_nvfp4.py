@@ -90,20 +90,16 @@ def test_a_bf16_checkpoint_loads_in_bf16(tiny_sala_dir, tokenizer, tmp_path):
 # (the kernel's high-water mark, reset first: exact, not sampled) over its RSS after imports; RSS
 # counts the checkpoint's pages the weights are mapped from as well as what is allocated.
 CHILD = """
-import json, re, sys
-from pathlib import Path
+import json, sys
 import torch
+from bench.memwatch import restart_high_water_mark, status_bytes
 from sala.engine import Engine, SamplingParams
 
-def kib(key):
-    return int(re.search(rf"^{key}:\\s+(\\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) * 1024
-
 torch.set_num_threads(1)
-Path("/proc/self/clear_refs").write_text("5")
-before = kib("VmRSS")
+before = restart_high_water_mark()
 engine = Engine.from_pretrained(sys.argv[1], device="cpu", compile=sys.argv[2] == "compiled", max_model_len=4096, max_seqs=4)
 (out,) = engine.generate(["The for statement"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-print(json.dumps({"growth": kib("VmHWM") - before, "budget": engine.config.memory.budget_bytes,
+print(json.dumps({"growth": status_bytes("VmHWM") - before, "budget": engine.config.memory.budget_bytes,
                   "tokens": len(out.token_ids), "compiled": engine.compile_seconds is not None}))
 """
 

@@ -103,3 +103,49 @@ def test_path_acceptance_round_trips_and_older_heads_get_an_estimate(tmp_path):
     (tmp_path / "old/medusa/manifest.json").unlink()
     old = load_heads(tmp_path / "old", SimpleNamespace(hidden_size=16, vocab_size=50)).config.acceptance
     assert old == pytest.approx({(0,): 0.6, (1,): 0.2, (0, 1): 0.18})
+
+
+def test_fewer_heads_or_ranks_get_the_reference_tree_they_can_draft():
+    """Heads with fewer than MC_SIM_7B_63's depth or ranks take its paths they can draft, which
+    still form a tree (every prefix in it); the named tree itself is refused by the trainer's
+    flags for heads that cannot draft it, before anything runs."""
+    from pipelines.train_medusa import parse_args
+    from sala.medusa.tree import MC_SIM_7B_63
+
+    assert MedusaConfig(16, 50).tree == [list(p) for p in MC_SIM_7B_63]
+    for heads, topk, expect in ((1, 10, [[r] for r in range(10)]), (3, 1, [[0], [0, 0], [0, 0, 0]])):
+        config = MedusaConfig(16, 50, num_heads=heads, topk=topk)
+        assert sorted(config.tree) == expect
+        assert MedusaHeads(config, lm_head()).tree.num_nodes == 1 + len(expect)  # built: a valid tree
+    config = MedusaConfig(16, 50, num_heads=2, topk=3)
+    assert config.tree == [list(p) for p in MC_SIM_7B_63 if len(p) <= 2 and max(p) < 3] and len(config.tree) > 3
+    MedusaHeads(config, lm_head())
+    with pytest.raises(SystemExit):
+        parse_args(["--tree", "mc_sim_7b_63", "--num-heads", "3"])
+    with pytest.raises(SystemExit):
+        parse_args(["--tree", "mc_sim_7b_63", "--topk", "9"])
+    assert parse_args(["--tree", "mc_sim_7b_63"]).tree == "mc_sim_7b_63"
+
+
+def test_heads_trained_through_a_bf16_lm_head_get_its_gradient():
+    """Shared heads on a bf16 lm_head on CPU (whose input gradient is taken a block of columns at a
+    time): the loss and every head parameter's gradient match the same heads through an fp64
+    copy of lm_head, to bf16's precision, with hidden wider than one block."""
+    hidden, vocab = 600, 70
+    torch.manual_seed(0)
+    head = lm_head(hidden, vocab).to(torch.bfloat16).requires_grad_(False)
+    reference = lm_head(hidden, vocab).double().requires_grad_(False)
+    reference.weight.copy_(head.weight)
+    heads = MedusaHeads(MedusaConfig(hidden, vocab, num_heads=2, num_layers=1), head)
+    with torch.no_grad():
+        heads.w1.normal_(std=hidden**-0.5)
+    x, target = torch.randn(3, 5, hidden), torch.randint(vocab, (2, 3, 5))
+    grads = []
+    for projection in (head, reference):
+        heads.zero_grad()
+        logits = heads(x, projection)
+        F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1)).backward()
+        grads.append([p.grad.clone() for p in (heads.w1, heads.b1)])
+    for ours, exact in zip(*grads):
+        assert ours.abs().max() > 0
+        torch.testing.assert_close(ours, exact.float(), rtol=0.05, atol=0.02 * exact.abs().max().item())

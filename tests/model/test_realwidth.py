@@ -32,17 +32,13 @@ ONE_LAYER_BYTES = 2 * (2 * VOCAB * H + SPARSE_LAYER + H)
 # Writes in a fresh process, reporting the growth of its peak RSS over its RSS after imports
 # (the kernel's high-water mark, reset first: exact, not sampled).
 WRITER = """
-import json, re, sys
-from pathlib import Path
+import json, sys
+from bench.memwatch import restart_high_water_mark, status_bytes
 from sala.realwidth import write_realwidth
 
-def kib(key):
-    return int(re.search(rf"^{key}:\\s+(\\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) * 1024
-
-Path("/proc/self/clear_refs").write_text("5")
-before = kib("VmRSS")
+before = restart_high_water_mark()
 write_realwidth(sys.argv[1], 1, seed=0, max_shard_bytes=int(sys.argv[2]))
-print(json.dumps({"growth": kib("VmHWM") - before}))
+print(json.dumps({"growth": status_bytes("VmHWM") - before}))
 """
 
 

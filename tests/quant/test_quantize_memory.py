@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from bench.memwatch import restart_high_water_mark, status_bytes
 from sala.config import MINICPM_SALA_9B, SALAConfig
 from sala.footprint import GIB, RUNTIME_BYTES
 from sala.quant.memory import gptq_bound, quantize_memory
@@ -37,11 +38,6 @@ def test_the_9b_by_hand():
     assert n.worker(True).total == n.hidden_states + RUNTIME_BYTES
 
 
-def status_bytes(field: str) -> int:
-    """VmRSS, VmHWM, ...: this process's figure in /proc/self/status."""
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
-
-
 @pytest.mark.parametrize("n, k", [(8192, 2048), (512, 4096)])
 def test_gptq_stays_within_the_bound_the_job_says(n, k):
     """GPTQ of an [n, k] weight (wide, and a k x k factor much larger than the weight) peaks, by this
@@ -53,9 +49,7 @@ def test_gptq_stays_within_the_bound_the_job_says(n, k):
     x = torch.randn(4 * k, k, generator=g)
     hessian, weight = x.T @ x / len(x), torch.randn(n, k, generator=g) * 0.02
     del x
-    before = status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark restarts from the resident memory now
+    before = restart_high_water_mark()
     gptq_quantize(weight, hessian, scale_rule="4over6")
     peak = status_bytes("VmHWM") - before
     assert 0.4 * gptq_bound(n, k) * 4 < peak < gptq_bound(n, k) * 4, (peak / (k * k * 4), gptq_bound(n, k) / (k * k))
