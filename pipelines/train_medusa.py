@@ -93,12 +93,12 @@ def parse_args(argv=None):
     if args.eval_prompts < 0 or args.eval_temperature <= 0:
         ap.error("--eval-prompts must be >= 0 and --eval-temperature > 0")
     if args.tree:
-        from sala.medusa.tree import MC_SIM_7B_63
+        from sala.medusa.tree import MC_SIM_7B_63, InvalidTree, build_tree
 
-        depth, ranks = max(map(len, MC_SIM_7B_63)), 1 + max(map(max, MC_SIM_7B_63))
-        if args.num_heads < depth or args.topk < ranks:
-            ap.error(f"--tree {args.tree} is {depth} heads deep and uses {ranks} ranks: it needs --num-heads >= {depth} "
-                     f"and --topk >= {ranks}")
+        try:  # the check loading the heads would make, before anything runs
+            build_tree(MC_SIM_7B_63, args.topk, args.num_heads)
+        except InvalidTree as e:
+            ap.error(f"--tree {args.tree} does not fit --num-heads {args.num_heads} --topk {args.topk}: {e}")
     if args.seq_len <= args.prompt_len + args.num_heads + 1:
         ap.error("--seq-len must exceed --prompt-len by more than --num-heads + 1 tokens")
     return args

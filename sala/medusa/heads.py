@@ -96,7 +96,7 @@ class MedusaHeads(nn.Module):
         if self.proj is None:
             h = h.to(_weight_dtype(lm_head))
             if h.requires_grad and h.device.type == "cpu" and h.dtype in (torch.bfloat16, torch.float16):
-                return _CpuLowPrecisionProjection.apply(h, lm_head.weight).float()
+                return _CpuLowPrecisionProjection.apply(h, lm_head.weight, lm_head.bias).float()
             return lm_head(h).float()
         k, shape = self.config.num_heads, h.shape
         logits = torch.bmm(h.reshape(k, -1, shape[-1]).to(self.proj.dtype), self.proj.transpose(1, 2))
@@ -146,7 +146,7 @@ class MedusaHeads(nn.Module):
 
 
 class _CpuLowPrecisionProjection(torch.autograd.Function):
-    """h @ W^T through a frozen bf16 / fp16 lm_head on CPU, for heads being trained. Its backward
+    """h @ W^T + b through a frozen bf16 / fp16 lm_head on CPU, for heads being trained. Its backward
     takes the input gradient grad @ W a block of W's columns at a time, each block copied
     transposed: oneDNN on CPUs without native bf16 runs grad @ W with W row-major (what linear's
     own backward asks for) about 100x slower than with W's rows as the contraction's columns
@@ -156,9 +156,9 @@ class _CpuLowPrecisionProjection(torch.autograd.Function):
     COLUMNS = 256
 
     @staticmethod
-    def forward(ctx, h, weight):
+    def forward(ctx, h, weight, bias):
         ctx.save_for_backward(weight)
-        return F.linear(h, weight)
+        return F.linear(h, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -168,7 +168,7 @@ class _CpuLowPrecisionProjection(torch.autograd.Function):
         for c in range(0, weight.shape[1], _CpuLowPrecisionProjection.COLUMNS):
             block = weight[:, c : c + _CpuLowPrecisionProjection.COLUMNS].t().contiguous()
             torch.mm(rows, block.t(), out=out[:, c : c + block.shape[0]])
-        return out.reshape(*grad.shape[:-1], weight.shape[1]), None
+        return out.reshape(*grad.shape[:-1], weight.shape[1]), None, None
 
 
 def _weight_dtype(module: nn.Module) -> torch.dtype:

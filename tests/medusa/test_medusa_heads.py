@@ -129,7 +129,7 @@ def test_fewer_heads_or_ranks_get_the_reference_tree_they_can_draft():
 
 def test_heads_trained_through_a_bf16_lm_head_get_its_gradient():
     """Shared heads on a bf16 lm_head on CPU (whose input gradient is taken a block of columns at a
-    time): the loss and every head parameter's gradient match the same heads through an fp64
+    time): every head parameter's gradient matches the same heads' through an fp64
     copy of lm_head, to bf16's precision, with hidden wider than one block."""
     hidden, vocab = 600, 70
     torch.manual_seed(0)
