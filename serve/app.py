@@ -32,6 +32,18 @@ from sala.reasoning import REASONING_FORMATS
 from sala.tools import FORMATS
 from serve.build import MedusaOff, build_app
 
+# Serve kills a proxy that misses 3 readiness checks of RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (5 s)
+# from its start, and starts another; on a loaded 2-core node a proxy process takes longer than
+# that to import Serve and its HTTP stack, and serve.start can meet the proxy it waits on killed.
+PROXY_READY_CHECK_S = 30
+
+
+def local_ray_env() -> None:
+    """Before starting a local Ray that will run Serve: its controller gives a starting proxy
+    PROXY_READY_CHECK_S a readiness check, unless the environment says otherwise. (A cluster's
+    controller reads its own environment: set the variable where the cluster starts.)"""
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_S))
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m serve.app", description="Serve a SALA checkpoint over HTTP")
@@ -119,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # What serve.start would do, keeping the dashboard's address; without RAY_ADDRESS a Ray of its
     # own, never one that another program started on this machine (ray.init's own default).
+    if not os.environ.get("RAY_ADDRESS"):
+        local_ray_env()
     ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve")
     serve.start(http_options={"host": args.host, "port": args.port}, proxy_location=args.proxy_location)
     serve.run(app, name="sala", route_prefix="/")

@@ -191,8 +191,11 @@ def ray_on_two_cpus():
     whoever started it)."""
     import ray
 
+    from serve.app import local_ray_env
+
     started = not ray.is_initialized()
     if started:
+        local_ray_env()  # the Serve tests' proxies start on a loaded machine
         ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20, include_dashboard=False,
                  log_to_driver=False)  # "local": never a cluster another test started on this machine
     try:

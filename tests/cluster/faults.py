@@ -26,6 +26,9 @@ def three_nodes():
     """A head and two worker nodes, one CPU each; stopped by its own handles (never `ray stop`)."""
     from ray.cluster_utils import Cluster
 
+    from serve.app import local_ray_env
+
+    local_ray_env()  # its nodes inherit this environment: the served app's proxies start on a loaded machine
     c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     try:
         for _ in range(2):
