@@ -6,13 +6,16 @@ memory, moved to its device one shard at a time) and nothing of the model but th
 working on. A call quantizes one Linear (GPTQ or RTN): the actor reads that Linear's weights
 (and its fused group's, for their shared amax) from the checkpoint's shards; for GPTQ it first
 brings its hidden states to the call's layer, through the quantized layers before it
-(sequential mode: the call carries references to their results) or the original ones (parallel
-mode), then sums the Hessian of the Linear's input site over the shards, in shard order, from
+(sequential mode: the call carries references to the results of the layers it has yet to go
+through) or the original ones (parallel mode), then sums the Hessian of the Linear's input site over the shards, in shard order, from
 a forward of the layer, and keeps it for the layer's other Linears of that site. So a Hessian
 never travels, and every actor computes it in the same order from the same shards: the bytes of
 the checkpoint depend on the number of shards, never on the number of actors or which actor
 did what. Actors only move forward through the layers; each call goes to a free actor that is
-not past its layer, the lowest such layer first and within it the costliest call.
+not past its layer, the lowest such layer first and within it the costliest call. The driver puts
+a finished layer's results in Ray's object store when an actor's call first needs them (read back
+from the layer store on disk) and drops its reference once every actor is past that layer, so the
+object store holds the layers the actors are going through, not every layer done.
 
 Nothing is lost with an actor or its node (a spot node preempted, a process killed): the driver
 owns every call, not Ray's retries. A call that fails with its actor gone, or with its result
@@ -105,9 +108,10 @@ class LayerWorker:
         check_device(self.need, self.device)
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
-    def quantize(self, job: Job, opts: dict, applied: list | None) -> tuple[bytes, dict]:
+    def quantize(self, job: Job, opts: dict, applied: dict | None) -> tuple[bytes, dict]:
         """GPTQ/RTN of one Linear, from the checkpoint's weights. `applied[j]`: layer j's results,
-        which the hidden states go through in sequential mode (None: the original layers)."""
+        for each layer j the hidden states go through on the way to the call's layer in sequential
+        mode (None: the original layers)."""
         from sala.quant.layerwise import group_amax, quantize_module
 
         hessian = self._hessian(job, applied) if opts["method"] == "gptq" else None
@@ -117,13 +121,13 @@ class LayerWorker:
                                  **opts)
         return results_to_bytes({job.module: result})
 
-    def _hessian(self, job: Job, applied: list | None) -> torch.Tensor:
+    def _hessian(self, job: Job, applied: dict | None) -> torch.Tensor:
         self._advance(job.layer, applied)
         if job.site not in self.hessians:
             self.hessians |= self._layer_hessians(job.layer, job.site)
         return self.hessians[job.site]
 
-    def _advance(self, idx: int, applied: list | None) -> None:
+    def _advance(self, idx: int, applied: dict | None) -> None:
         """Bring the hidden states to layer `idx`'s inputs: the embeddings first, then each layer
         before it, read from the checkpoint (in sequential mode with its quantized weights)."""
         import ray
@@ -175,9 +179,11 @@ def _lost(error: BaseException) -> bool:
 
 class LayerPool:
     """The driver's side: LayerWorker actors over `shards` calibration shards, spread over the
-    cluster's nodes, kept at `workers` by replacing each that dies."""
+    cluster's nodes, kept at `workers` by replacing each that dies. `finished(j)`: layer j's results
+    (blob, stats) once it is done, which GPTQ calls of later layers go through (sequential mode);
+    None: they go through the original layers (parallel mode, and RTN)."""
 
-    def __init__(self, model_dir, seqs: torch.Tensor, shards: int, workers: int, gpus: float, need):
+    def __init__(self, model_dir, seqs: torch.Tensor, shards: int, workers: int, gpus: float, need, finished=None):
         import ray
 
         from pipelines.capacity import ray_memory
@@ -200,6 +206,8 @@ class LayerPool:
         self.node: dict = {}  # actor -> its node id
         self.calls_by_node: Counter = Counter()  # calls answered, by node id
         self.lost = 0  # actors lost so far
+        self.finished = finished
+        self.applied: dict = {}  # layer -> ObjectRef of its results, while an actor is yet to go through it
         for _ in range(workers):
             self._start()
         while self.starting:  # the first pool starts whole
@@ -250,7 +258,7 @@ class LayerPool:
               f"a replacement is on its way ({len(self.live)} live)", file=sys.stderr, flush=True)
 
     # -- calls
-    def run(self, jobs: list[Job], opts: dict, applied: list | None, on_done) -> None:
+    def run(self, jobs: list[Job], opts: dict, on_done) -> None:
         """Run `jobs`, each on a free actor, the lowest layer first and within it the costliest;
         on_done(job, (blob, stats)) as each finishes. GPTQ calls go to actors not past their
         layer (an actor moves forward only); RTN reads no inputs, so any actor takes any call. A
@@ -271,8 +279,10 @@ class LayerPool:
                 job = eligible[0]
                 queue.remove(job)
                 free.remove(a)
+                applied = self._applied(a, job.layer) if ordered else None
                 if ordered:
                     self.at[a] = job.layer
+                    self._release()
                 running[a.quantize.remote(job, opts, applied)] = (job, a)
             if not running and not self.starting:
                 raise RuntimeError(f"no worker can take the calls of layer(s) {sorted({j.layer for j in queue})}")
@@ -290,6 +300,27 @@ class LayerPool:
             free.append(a)
             self.calls_by_node[self.node[a]] += 1
             on_done(job, out)
+
+    def _applied(self, a, layer: int) -> dict | None:
+        """References to the results of the layers actor `a` goes through on its way to `layer`
+        (None: the original layers), each put in the object store when first needed."""
+        import ray
+
+        if self.finished is None:
+            return None
+        for j in range(self.at[a], layer):
+            if j not in self.applied:
+                if (results := self.finished(j)) is None:
+                    raise RuntimeError(f"layer {j}'s results are not in the layer store (removed or changed during the run)")
+                self.applied[j] = ray.put(results)
+        return {j: self.applied[j] for j in range(self.at[a], layer)}
+
+    def _release(self) -> None:
+        """Drop the references to layers every live or starting actor is past (a call in flight
+        keeps those it carries until it ends); a replacement actor's first call puts them again."""
+        floor = min(self.at[a] for a in (*self.live, *self.starting.values()))
+        for j in [j for j in self.applied if j < floor]:
+            del self.applied[j]
 
     @staticmethod
     def _get(ref, what: str):

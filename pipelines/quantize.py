@@ -217,10 +217,12 @@ def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: L
         return blob
 
     if todo:
-        pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0), need)
+        sequential = args.mode == "sequential" and args.method == "gptq"
+        pool = LayerPool(model_dir, seqs, args.shards, workers, ray.cluster_resources().get("GPU", 0), need,
+                         finished=store.load if sequential else None)
         print(f"workers    {len(pool.live)} Ray actors on {pool.nodes} node(s) (pids {' '.join(map(str, pool.pids))}) over "
               f"{pool.shards} calibration shards", flush=True)
-        if args.mode == "parallel" or args.method == "rtn":  # RTN reads no inputs: nothing to be sequential about
+        if not sequential:  # RTN reads no inputs: nothing to be sequential about
             partial = {i: {} for i in todo}
             needed = {i: len(jobs(i)) for i in todo}
 
@@ -229,18 +231,15 @@ def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: L
                 if len(partial[job.layer]) == needed[job.layer]:
                     finish(job.layer, partial.pop(job.layer))
 
-            pool.run([j for i in todo for j in jobs(i)], opts, None, done)
+            pool.run([j for i in todo for j in jobs(i)], opts, done)
         else:
             # Layer by layer: layer i's Hessians come from inputs that went through the quantized
-            # layers before it (the actors apply them first), so GPTQ corrects the error those introduced.
-            applied = []
-            for i in range(len(layers)):
-                if i in todo:
-                    results = {}
-                    pool.run(jobs(i), opts, applied, lambda job, out: results.update(results_from_bytes(*out)))
-                    applied.append(ray.put(finish(i, results)))
-                else:
-                    applied.append(ray.put(store.load(i)))
+            # layers before it (the actors apply them first, read from `store`), so GPTQ corrects
+            # the error those introduced.
+            for i in todo:
+                results = {}
+                pool.run(jobs(i), opts, lambda job, out: results.update(results_from_bytes(*out)))
+                finish(i, results)
         if pool.calls_by_node:
             print("work by node: " + ", ".join(f"node {n}: {c} calls" for n, c in pool.calls_by_node.items())
                   + (f"; {pool.lost} worker(s) lost and replaced" if pool.lost else ""), flush=True)

@@ -70,6 +70,52 @@ def test_calls_complete_layer_by_layer(tiny_sala_dir, local_ray):
         done[job.layer] = done.get(job.layer, 0) + 1
         most_part_done = max(most_part_done, sum(0 < n < per_layer[i] for i, n in done.items()))
 
-    pool.run(jobs, {"method": "rtn", "scale_rule": "4over6", "act_order": False, "damp": 0.01}, None, on_done)
+    pool.run(jobs, {"method": "rtn", "scale_rule": "4over6", "act_order": False, "damp": 0.01}, on_done)
     assert done == per_layer and len(layers) >= 6
     assert most_part_done <= 3, most_part_done
+
+
+def test_sequential_calls_put_each_layer_once_and_hold_none_every_actor_is_past(tiny_sala_dir, local_ray):
+    """LayerPool.run in sequential mode, GPTQ on tiny-sala with 2 workers, layer by layer as the
+    main job runs it: a finished layer's results go into the object store once, when a call first
+    goes through them, and the driver's reference is dropped once both actors are past the layer,
+    so it holds at most one layer's results at any time, whatever the depth (holding every finished
+    layer for the run grows with it)."""
+    from collections import Counter
+
+    import torch
+
+    from pipelines.layer_pool import Job, LayerPool, results_from_bytes, results_to_bytes
+    from sala.checkpoint import read_config
+    from sala.model import SALAForCausalLM
+    from sala.quant.layerwise import layer_groups
+    from sala.quant.memory import quantize_memory
+
+    config = read_config(tiny_sala_dir)
+    with torch.device("meta"):
+        layers = SALAForCausalLM(config).model.layers
+    stored, loads, held = {}, Counter(), []
+
+    def finished(j):
+        loads[j] += 1
+        return stored[j]
+
+    seqs = torch.randint(3, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    need = quantize_memory(config, 4, 16, 2, "gptq", 1 << 30, 64)
+    pool = LayerPool(tiny_sala_dir, seqs, 2, 2, 0, need, finished=finished)
+    opts = {"method": "gptq", "scale_rule": "4over6", "act_order": False, "damp": 0.01}
+    for i, layer in enumerate(layers):
+        named = dict(layer.named_modules())
+        jobs = [Job(layer=i, group=g, module=m, site=site, cost=named[m].in_features)
+                for site, groups in layer_groups(layer).items() for g in groups for m in g]
+        results = {}
+
+        def on_done(job, out):
+            results.update(results_from_bytes(*out))
+            held.append(len(pool.applied))
+
+        pool.run(jobs, opts, on_done)
+        stored[i] = results_to_bytes(dict(sorted(results.items())))
+    assert len(layers) >= 6 and len(pool.live) == 2
+    assert loads == Counter(range(len(layers) - 1)), loads
+    assert max(held) <= 1, held
