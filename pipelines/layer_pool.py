@@ -7,8 +7,9 @@ working on. A call quantizes one Linear (GPTQ or RTN): the actor reads that Line
 (and its fused group's, for their shared amax) from the checkpoint's shards; for GPTQ it first
 brings its hidden states to the call's layer, through the quantized layers before it
 (sequential mode: the call carries references to the results of the layers it has yet to go
-through) or the original ones (parallel mode), then sums the Hessian of the Linear's input site over the shards, in shard order, from
-a forward of the layer, and keeps it for the layer's other Linears of that site. So a Hessian
+through) or the original ones (parallel mode), then sums the Hessian of the Linear's input site
+over the shards, in shard order, from a forward of the layer, and keeps it for the layer's other
+Linears of that site. So a Hessian
 never travels, and every actor computes it in the same order from the same shards: the bytes of
 the checkpoint depend on the number of shards, never on the number of actors or which actor
 did what. Actors only move forward through the layers; each call goes to a free actor that is
@@ -279,8 +280,9 @@ class LayerPool:
                 job = eligible[0]
                 queue.remove(job)
                 free.remove(a)
-                applied = self._applied(a, job.layer) if ordered else None
+                applied = None
                 if ordered:
+                    applied = self._applied(a, job.layer)
                     self.at[a] = job.layer
                     self._release()
                 running[a.quantize.remote(job, opts, applied)] = (job, a)

@@ -222,7 +222,7 @@ def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: L
                          finished=store.load if sequential else None)
         print(f"workers    {len(pool.live)} Ray actors on {pool.nodes} node(s) (pids {' '.join(map(str, pool.pids))}) over "
               f"{pool.shards} calibration shards", flush=True)
-        if not sequential:  # RTN reads no inputs: nothing to be sequential about
+        if not sequential:  # parallel mode, or RTN (it reads no inputs: nothing to be sequential about)
             partial = {i: {} for i in todo}
             needed = {i: len(jobs(i)) for i in todo}
 
