@@ -15,7 +15,8 @@ Then both engines warmed up: plain decode compiled with inductor on CPU (CUDA gr
 GPU), Medusa's verify steps compiled the same way on CPU (one pair of graphs for every tree,
 medusa_decoding.CompiledTreeVerify); both are warmed up before anything is timed, and the
 Medusa engine's warmup times the steps its choice is made by (printed). Prompts: windows of the
-model's held-out text, which the heads never saw; ignore_eos, `batch` requests in flight (one
+model's held-out text, which the heads never saw; ignore_eos, lengths spread from half of
+`--max-tokens` to one and a half times it (`request_params`), `batch` requests in flight (one
 that finishes is replaced at once, as in a server). Sampled: temperature 0.7, a seed a request.
 Each run of Medusa (the engine's choice, a fixed tree verified at every step, or with `--trees 0`
 plain steps of the Medusa engine: what a Medusa engine's plain step costs) is timed
@@ -65,6 +66,18 @@ def validation_prompts(tok, model_dir: Path, n: int) -> list[list[int]]:
     rows = [Row(t, guess_task(t)) for t in heldout_texts(model_dir)]
     _, prompts = train.windows(rows, tok, 32, 128, 2)
     return prompts[:: max(1, len(prompts) // n)][:n]
+
+
+def request_params(n: int, max_tokens: int, greedy: bool) -> list:
+    """Request i's sampling: its own length, from max_tokens / 2 on (a mean of about max_tokens),
+    so that requests end apart, as a server's do. Requests of one length under plain decoding end
+    together, and their prompts prefill in one step, where Medusa's drift apart and each prompt
+    joins an eager decode step of its own (measured at batch 4, greedy, the 4-node tree: 0.86x plain
+    decoding with every request 128 tokens long, 1.06x with their lengths spread). Sampled: seed i."""
+    from sala.engine import SamplingParams
+
+    return [SamplingParams(max_tokens=max_tokens // 2 + i * 37 % max_tokens, ignore_eos=True,
+                           **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i})) for i in range(n)]
 
 
 # Each engine's turn in `interleaved`: long enough that switching engines (each step's code and
@@ -118,7 +131,7 @@ def medusa_counts(engine):
 
     medusa, used, out = engine.decoding, Counter(), {}
     for_step, before = medusa.for_step, medusa.totals.copy()
-    medusa.for_step = lambda reqs: (s := for_step(reqs), used.update([s.rows - 1] if reqs else []))[0]
+    medusa.for_step = lambda reqs, *told: (s := for_step(reqs, *told), used.update([s.rows - 1] if reqs else []))[0]
     try:
         yield out
     finally:
@@ -137,14 +150,10 @@ def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens:
     measured on the 2-core VM), so each engine's tokens/s is taken over its turns while both
     have `batch` requests in flight, the same stretches of time at every batch size. What is
     left then runs untimed, for the outputs. Medusa's counters (accept length, acceptance per
-    depth, the trees each decode step used) are over its whole run. Sampled request i is seeded
-    i."""
-    from sala.engine import SamplingParams
+    depth, the trees each decode step used) are over its whole run. Requests: `request_params`."""
     from sala.medusa.accept import accept_length
 
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                             **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))
-              for i in range(len(prompts))]
+    params = request_params(len(prompts), max_tokens, greedy)
     runs = [InFlight(plain, prompts, params, batch), InFlight(medusa, prompts, params, batch)]
     timed = [[0, 0.0], [0, 0.0]]  # [tokens, seconds] of each engine's turns
     forcing = medusa.decoding.choice.forcing(nodes) if nodes is not None else contextlib.nullcontext()
@@ -187,11 +196,9 @@ def python_api(path, prompts: list[list[int]], batch: int, max_tokens: int, gree
     """The Python API without warmup(), fresh engines in turn: plain, Medusa with no step costs on
     disk (its first start: the cache file removed), plain, Medusa again (a second start, which
     reads the costs the first one measured). Each Medusa start against the plain start before it."""
-    from sala.engine import Engine, SamplingParams
+    from sala.engine import Engine
 
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                             **({"temperature": 0} if greedy else {"temperature": 0.7, "seed": i}))
-              for i in range(len(prompts))]
+    params = request_params(len(prompts), max_tokens, greedy)
     out, lossless = {}, True
     for name in ("first start", "second start"):
         plain = fresh_start(path, prompts, params, batch, max_seqs, device, medusa=False)
@@ -218,7 +225,7 @@ def main(argv=None) -> int:
                          "the Medusa engine decoding plainly at every step, what its plain step costs against a plain engine's")
     ap.add_argument("--uniform", help="the same heads trained with --weighting uniform, to compare accept length")
     ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="a request's mean length (request_params)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--sampling", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"])
     ap.add_argument("--repeats", type=int, default=3, help="pairs (plain, Medusa) of each; speedups are their median")

@@ -14,9 +14,9 @@ the decoding requests contribute is the strategy's, through one interface, `Deco
   its cache advanced past them.
 
 An engine holds one `Decoding`, which gives the scheduler each step's `DecodeStep`
-(`for_step`). Plain decoding is one: every step feeds each request its last token and samples
-the next. Medusa (sala/engine/medusa_decoding.py) chooses per step between verifying draft
-trees and a plain step. The engine's step names neither.
+(`for_step`, told whether prompt chunks may join the step). Plain decoding is one: every step
+feeds each request its last token and samples the next. Medusa (sala/engine/medusa_decoding.py)
+chooses per step between verifying draft trees and a plain step. The engine's step names neither.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class Decoding(Protocol):
 
     totals: object  # its counters (Engine.warmup leaves them as they were)
 
-    def for_step(self, decoding: list[Request]) -> DecodeStep: ...
+    def for_step(self, decoding: list[Request], prompts: bool = False) -> DecodeStep: ...
     def admit(self, req: Request) -> None: ...
     def compiled_steps(self) -> list[CompiledStep | CudaGraphDecode]: ...
     def took(self, batch, seconds: float) -> None: ...
@@ -110,7 +110,7 @@ class PlainDecoding:
             cuda = config.device.type == "cuda"
             self.fast_decode = CudaGraphDecode(runner, config.max_seqs) if cuda else CompiledDecode(runner)
 
-    def for_step(self, decoding: list[Request]) -> PlainDecoding:
+    def for_step(self, decoding: list[Request], prompts: bool = False) -> PlainDecoding:
         return self
 
     def admit(self, req: Request) -> None:

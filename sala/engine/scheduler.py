@@ -103,7 +103,9 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         decoding = [r for r in self.running if not r.prefilling]
-        step = self.decoding.for_step(decoding)
+        # Whether prompt chunks may join the step (a prompt part-way, or one waiting with a seat free).
+        prompts = len(decoding) < len(self.running) or bool(self.waiting) and len(self.running) < self.config.max_seqs
+        step = self.decoding.for_step(decoding, prompts)
         batch = Schedule(step)
         for r in decoding:  # in admission order; a request preempted for an earlier one's pages is gone from running
             if r in self.running and self._grow_or_preempt(r, min(r.num_computed + 1 + step.lookahead, r.capacity)):

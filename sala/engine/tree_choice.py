@@ -6,9 +6,11 @@ by_acceptance): each is the best tree of its size, they are nested, and any step
 of them (a request's drafts are the heads' top-k at every depth, whatever tree reads them). For
 each kind of batch (`step_kind`) and batch size class (1, 2, 4, 8, ...) the choice keeps two
 running estimates, both from the decode steps the engine takes anyway: what each candidate's
-step takes (ms), and how many tokens each tree's verify steps yield (its accept length; until a
-tree has verified, the heads' validation figure for it, 1 + the sum of its paths' acceptance,
-scaled as the other trees' steps found theirs).
+step takes (ms), and how many tokens each tree's verify steps yield (its accept length: the
+heads' validation figure for it, 1 + the sum of its paths' acceptance, scaled by what its verify
+steps kept against that figure over the last few hundred of them, as a step keeps anything from
+no draft to a whole path; until OWN_STEPS of its steps were measured, scaled as every tree's
+steps found theirs).
 A step takes the timed candidate with the most expected tokens per second, accept length / ms
 (plain decoding: 1 / ms; a tree only at PLAIN_MARGIN times plain decoding's or more). A
 candidate is timed once TIMED of its steps were: read from the disk cache
@@ -39,6 +41,8 @@ SETTLE = 3
 STOP_BELOW = 0.85  # timing a class stops at the first tree expected below this share of the best so far
 EXPLORE_EVERY, EXPLORE_STEPS = 128, SETTLE + TIMED  # in a row
 WEIGHT = 1 / 16  # of a new step in a running estimate
+ACCEPT_WEIGHT = 1 / 256  # of a new verify step in a running acceptance: one step keeps 0 to depth drafts
+OWN_STEPS = 32  # measured verify steps before a tree's own acceptance counts
 PLAIN_MARGIN = 1.1  # a tree is chosen over plain decoding where expected at this many times its tokens/s or more
 OUTLIER = 3.0  # a step past this many times the estimate is a pause (a recompile, the collector), not its cost
 
@@ -64,10 +68,11 @@ class Running:
 
     mean: float = 0.0
     count: int = 0
+    weight: float = WEIGHT
 
     def add(self, value: float) -> None:
         self.count += 1
-        self.mean = value if self.count == 1 else self.mean + max(WEIGHT, 1 / self.count) * (value - self.mean)
+        self.mean = value if self.count == 1 else self.mean + max(self.weight, 1 / self.count) * (value - self.mean)
 
 
 class TreeChoice:
@@ -152,7 +157,7 @@ class TreeChoice:
         if not nodes:
             return 1.0
         own, pooled = self.acceptance.get((kind, nodes)), self.acceptance.get((kind, 0))
-        scale = own.mean if own and own.count >= TIMED else pooled.mean if pooled else 1.0
+        scale = own.mean if own and own.count >= OWN_STEPS else pooled.mean if pooled else 1.0
         return 1 + scale * self._expected_drafts(nodes)
 
     def _expected_drafts(self, nodes: int) -> float:
@@ -179,7 +184,7 @@ class TreeChoice:
             kind, _, nodes = self.current
             scale = accepted / (requests * self._expected_drafts(nodes))
             for key in ((kind, nodes), (kind, 0)):
-                self.acceptance.setdefault(key, Running()).add(scale)
+                self.acceptance.setdefault(key, Running(weight=ACCEPT_WEIGHT)).add(scale)
 
     def step_ms(self) -> list[list]:
         """[kind, size class, nodes, ms] of each timed candidate: what the disk cache keeps, with `kept`."""
@@ -187,7 +192,8 @@ class TreeChoice:
 
     def learned(self, acceptance: list[list]) -> None:
         """Take these acceptance scales (`kept`'s rows, from the disk cache) as full running means."""
-        self.acceptance |= {(kind, nodes): Running(mean, round(1 / WEIGHT)) for kind, nodes, mean in acceptance}
+        self.acceptance |= {(kind, nodes): Running(mean, round(1 / ACCEPT_WEIGHT), ACCEPT_WEIGHT)
+                            for kind, nodes, mean in acceptance}
 
     def kept(self) -> list[list]:
         """[kind, nodes, scale] of each acceptance measured so far (nodes 0: every tree's)."""

@@ -82,6 +82,28 @@ def test_auto_verifies_only_the_batches_a_compiled_graph_accepts():
     assert eager.for_step([request(4, temperature=0.7, top_p=0.9)]) is eager.verifies[6]
 
 
+def test_where_verify_steps_compile_a_step_with_prompt_chunks_decodes_plainly():
+    """A step that prompt chunks join runs eagerly; where verify steps compile (CPU), an eager
+    verify with its acceptance costs several times a compiled one, so such a step decodes plainly,
+    with "auto" or a fixed tree, and starts a run of plain steps in the choice (the verify step after
+    it is not measured: its drafts are a token old). Where nothing compiles it verifies as any other."""
+    from sala.engine.tree_choice import SETTLE
+
+    medusa = build(medusa=True, compile=True, max_seqs=4).decoding
+    timed(medusa, {0: 2.0, 6: 2.5})
+    whole = medusa.verifies[6]
+    for _ in range(SETTLE + 1):
+        assert medusa.for_step([request(4)]) is whole
+    assert medusa.choice.run == SETTLE
+    assert medusa.for_step([request(4)], prompts=True) is medusa.plain_step and medusa.choice.current[2] == 0
+    assert medusa.for_step([request(4)]) is whole and medusa.choice.run == 0
+    fixed = build(medusa=True, compile=True, max_seqs=4, medusa_nodes=6).decoding
+    assert fixed.for_step([request(4)], prompts=True) is fixed.plain_step and fixed.for_step([request(4)]) is fixed.verifies[6]
+    eager = build(medusa=True, max_seqs=4).decoding
+    timed(eager, {0: 2.0, 6: 2.5})
+    assert eager.for_step([request(4)], prompts=True) is eager.verifies[6]
+
+
 def test_a_verify_after_plain_steps_takes_each_depth_from_the_head_drafting_its_token():
     """Drafts are made for the tokens after a request's last one (head k: the k + 1st); a plain
     step decodes one of them without drafting, so after p plain steps depth d of the tree takes

@@ -101,7 +101,7 @@ class Reserving:
     def __init__(self, plain):
         self.plain = plain
 
-    def for_step(self, decoding):
+    def for_step(self, decoding, prompts=False):
         return self if decoding else self.plain
 
 
@@ -117,3 +117,29 @@ def test_what_a_decoding_strategy_reserves_is_what_the_scheduler_takes():
     assert batch.decoding is p.scheduler.decoding and batch.decodes == [a]
     assert len(a.pages) == p.cache.pages_for(a.num_computed + 1 + 3)  # 16 + 3 positions: two pages
     assert spans(batch) == [(id(b), 0, 32 - 5)]  # the budget less a's 5 rows
+
+
+def test_the_strategy_is_told_whether_prompt_chunks_may_join_the_step():
+    """Whether a prompt is part-way or waits with a seat free, before the decoding strategy picks
+    its step (Medusa decodes such a step plainly where its verify steps compile)."""
+    p = build(max_batch_tokens=32, max_seqs=2)
+    told = []
+
+    class Telling(Reserving):
+        def for_step(self, decoding, prompts=False):
+            told.append((len(decoding), prompts))
+            return super().for_step(decoding, prompts)
+
+    p.scheduler.decoding = Telling(p.decoding)
+    a, b, c = request(15, max_tokens=20), request(40, max_tokens=20), request(5)
+    p.scheduler.add(a)
+    advance(p.scheduler.schedule())  # a's prompt
+    advance(p.scheduler.schedule())  # a decodes, nothing waits
+    p.scheduler.add(b)
+    first = p.scheduler.schedule()  # b waits, a seat is free: its first chunk joins
+    assert spans(first) == [(id(b), 0, 32 - 5)]
+    advance(first)
+    p.scheduler.add(c)  # no seat for c
+    advance(p.scheduler.schedule())  # b part-way: its rest joins
+    assert p.scheduler.schedule().prefills == [] and list(p.scheduler.waiting) == [c]
+    assert told[0] == (0, True) and [t for t in told if t[0]] == [(1, False), (1, True), (1, True), (2, False)]

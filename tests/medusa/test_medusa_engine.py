@@ -194,6 +194,8 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     step at batch 1 and 2 without counting it as traffic."""
     from transformers import AutoTokenizer
 
+    from sala.engine.tree_choice import SETTLE
+
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
     plain = Engine(copy.deepcopy(base), tok, max_seqs=2, compile=False).generate(prompts[:6], params)
@@ -260,7 +262,8 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
         engine.generate(prompts[:2], [SamplingParams(max_tokens=N_NEW, temperature=1, seed=i, ignore_eos=True) for i in (0, 1)])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     # With the choice left to itself, a decode step with no prompt work is timed SETTLE steps into
-    # a run of its candidate (the forced steps above were not timed).
+    # a run of its candidate (the forced steps above were not timed); a step that prompt chunks
+    # join decodes plainly, and so ends a tree's run.
     counts = {key: est.count for key, est in medusa.choice.ms.items()}
     steps = []
     schedule = engine.scheduler.schedule
@@ -271,8 +274,11 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     out = engine.generate(prompts[:6], params)
     del engine.scheduler.schedule, medusa.choice.timed
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-    pure = [s for s in steps if s.decodes and not s.prefills]
-    assert len(timed_steps) == len(pure) and sum(timed_steps) > N_NEW
+    decodes = [s for s in steps if s.decodes]
+    assert all(s.decoding is medusa.plain_step for s in decodes if s.prefills)
+    runs = [(len(s.decodes).bit_length(), s.decoding.rows - 1) for s in decodes]  # size class, nodes
+    measured = [i >= SETTLE and runs[i - SETTLE : i] == [runs[i]] * SETTLE for i, s in enumerate(decodes) if not s.prefills]
+    assert timed_steps == measured and sum(measured) > 0
     added = sum(est.count for est in medusa.choice.ms.values()) - sum(counts.values())
     assert added == sum(timed_steps)
 
@@ -347,7 +353,7 @@ def test_tree_choice_follows_the_steps_it_takes():
     smaller tree; the chosen tree's steps getting dearer send it to the next best. The first step
     after a change, forced steps (warmup's compiling) and pauses past OUTLIER times the estimate
     do not count."""
-    from sala.engine.tree_choice import OUTLIER, SETTLE, WEIGHT, TreeChoice
+    from sala.engine.tree_choice import ACCEPT_WEIGHT, OUTLIER, OWN_STEPS, SETTLE, WEIGHT, Running, TreeChoice
 
     choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None,
                         step_ms=[[GREEDY, 1, nodes, ms] for nodes, ms in MS.items()])
@@ -371,6 +377,13 @@ def test_tree_choice_follows_the_steps_it_takes():
     other = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None, acceptance=[[GREEDY, 0, 0.9], [GREEDY, 4, 0.5]])
     assert other.accept_length(GREEDY, 4) == pytest.approx(1 + 0.5 * (PRIOR[4] - 1))
     assert other.accept_length(GREEDY, 2) == pytest.approx(1 + 0.9 * (PRIOR[2] - 1))
+    # A step keeps anything from no draft to a whole path: a tree's own scale counts once OWN_STEPS
+    # of its steps were measured, and the scales move by ACCEPT_WEIGHT of a step, the kept ones'
+    # as if they had that many steps behind them.
+    other.acceptance[GREEDY, 4] = Running(0.5, OWN_STEPS - 1, ACCEPT_WEIGHT)
+    assert other.accept_length(GREEDY, 4) == pytest.approx(1 + 0.9 * (PRIOR[4] - 1))
+    other.acceptance[GREEDY, 0].add(0.0)
+    assert other.acceptance[GREEDY, 0].mean == pytest.approx(0.9 * (1 - ACCEPT_WEIGHT))
     # Plain decoding is taken unless a tree is expected at PLAIN_MARGIN times its tokens/s.
     assert TreeChoice.best({0: 1.0, 4: 1.05}) == 0 and TreeChoice.best({0: 1.0, 4: 1.15}) == 4
 
