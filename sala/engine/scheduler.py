@@ -104,7 +104,7 @@ class Scheduler:
     def schedule(self) -> Schedule:
         decoding = [r for r in self.running if not r.prefilling]
         # Whether prompt chunks may join the step (a prompt part-way, or one waiting with a seat free).
-        prompts = len(decoding) < len(self.running) or bool(self.waiting) and len(self.running) < self.config.max_seqs
+        prompts = len(decoding) < len(self.running) or self._seat_for_waiting()
         step = self.decoding.for_step(decoding, prompts)
         batch = Schedule(step)
         for r in decoding:  # in admission order; a request preempted for an earlier one's pages is gone from running
@@ -124,7 +124,7 @@ class Scheduler:
                     budget -= end - r.num_computed
         with self.lock:
             passed_over = deque()
-            while budget > 0 and self.waiting and len(self.running) < self.config.max_seqs:
+            while budget > 0 and self._seat_for_waiting():
                 r = self.waiting.popleft()
                 hit = self.cache.match(r)
                 r.num_computed = hit.length if hit else 0
@@ -144,6 +144,10 @@ class Scheduler:
             self.preempt(self.running[-1])
             return self.schedule()
         return batch
+
+    def _seat_for_waiting(self) -> bool:
+        """Whether a request waits and a seat is free for it."""
+        return bool(self.waiting) and len(self.running) < self.config.max_seqs
 
     def _chunk_end(self, r: Request, budget: int) -> int:
         total = r.prefill_end
