@@ -63,12 +63,16 @@ def test_ctrl_c_during_an_mlflow_write_waits_for_the_write(tmp_path, monkeypatch
             os.kill(os.getpid(), signal.SIGINT)
 
     event.listen(engine, "before_cursor_execute", interrupt)
+    # Python's own Ctrl-C handler, as an interactive run has it: a suite started in the background
+    # (nohup, `cmd &` in a script) inherits SIGINT ignored, and then nothing would be raised.
+    default = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             with interrupt_deferred():
                 mlflow.log_metric("layers_done", 3)
     finally:
         event.remove(engine, "before_cursor_execute", interrupt)
+        signal.signal(signal.SIGINT, default)
     assert sent, "the test never interrupted a write"
     mlflow.end_run("KILLED")
     stored = mlflow.MlflowClient().get_run(run.info.run_id)
