@@ -9,7 +9,7 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_d
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
 from sala.quant.nvfp4 import (
-    CPU_BLOCK_ELEMENTS,
+    CPU_TILE_WEIGHTS,
     decode_e2m1,
     dequantize,
     global_scale,
@@ -235,11 +235,11 @@ def test_fused_group_shares_the_global_scale():
 
 @pytest.mark.parametrize("scale_rule", ["6", "4over6"])
 def test_matches_the_numpy_reference(scale_rule):
-    """Over more rows than a CPU block (CPU_BLOCK_ELEMENTS), the last block ragged: blocks quantize
-    as the whole weight does."""
+    """Over more rows than a CPU tile (CPU_TILE_WEIGHTS), the last tile ragged: tiles quantize as
+    the whole weight does."""
     torch.manual_seed(1)
-    w = torch.randn(600, 256) * torch.rand(600, 1) * 0.05
-    assert w.numel() > 2 * CPU_BLOCK_ELEMENTS and w.shape[0] % (CPU_BLOCK_ELEMENTS // w.shape[1])
+    w = torch.randn(1100, 256) * torch.rand(1100, 1) * 0.05
+    assert w.numel() > 2 * CPU_TILE_WEIGHTS and w.shape[0] % (CPU_TILE_WEIGHTS // w.shape[1])
     q = quantize_rtn(w, scale_rule)
     fp8_max = {"6": 448.0, "4over6": 256.0}[scale_rule]
     codes, scale, m4, values = ref_quantize(w.numpy(), fp8_max, scale_rule == "4over6")
