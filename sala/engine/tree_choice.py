@@ -192,7 +192,7 @@ class TreeChoice:
 
     def learned(self, acceptance: list[list]) -> None:
         """Take these acceptance scales (`kept`'s rows, from the disk cache) as full running means."""
-        self.acceptance |= {(kind, nodes): Running(mean, round(1 / ACCEPT_WEIGHT), ACCEPT_WEIGHT)
+        self.acceptance |= {(kind, nodes): Running(mean=mean, count=round(1 / ACCEPT_WEIGHT), weight=ACCEPT_WEIGHT)
                             for kind, nodes, mean in acceptance}
 
     def kept(self) -> list[list]:

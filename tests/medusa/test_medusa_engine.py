@@ -380,7 +380,7 @@ def test_tree_choice_follows_the_steps_it_takes():
     # A step keeps anything from no draft to a whole path: a tree's own scale counts once OWN_STEPS
     # of its steps were measured, and the scales move by ACCEPT_WEIGHT of a step, the kept ones'
     # as if they had that many steps behind them.
-    other.acceptance[GREEDY, 4] = Running(0.5, OWN_STEPS - 1, ACCEPT_WEIGHT)
+    other.acceptance[GREEDY, 4] = Running(mean=0.5, count=OWN_STEPS - 1, weight=ACCEPT_WEIGHT)
     assert other.accept_length(GREEDY, 4) == pytest.approx(1 + 0.9 * (PRIOR[4] - 1))
     other.acceptance[GREEDY, 0].add(0.0)
     assert other.acceptance[GREEDY, 0].mean == pytest.approx(0.9 * (1 - ACCEPT_WEIGHT))
