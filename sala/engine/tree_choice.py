@@ -16,8 +16,9 @@ A step takes the timed candidate with the most expected tokens per second, accep
 candidate is timed once TIMED of its steps were: read from the disk cache
 (sala/engine/step_costs.py, which keeps the acceptance too), or measured at the first decode
 steps of the class (plain first, then the trees smallest first, until one does worse than
-STOP_BELOW the best so far: a larger tree costs more still); `Engine.warmup` runs those steps
-up front. Then EXPLORE_STEPS steps in every EXPLORE_EVERY take the runner-up, every other time
+STOP_BELOW the best so far: a larger tree costs more still; weighed at every step, so the walk
+goes on where the estimates later bring that tree within STOP_BELOW); `Engine.warmup` runs those
+steps up front. Then EXPLORE_STEPS steps in every EXPLORE_EVERY take the runner-up, every other time
 plain decoding where a tree is chosen, so that the estimates the choice turns on stay current.
 The first SETTLE steps after a change of candidate are not measured: a plain step right after
 verify steps runs slower (the verify's code and data displace it), and a verify right after
