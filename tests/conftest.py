@@ -29,7 +29,8 @@ def pytest_configure(config):
 # one unit, first: each worker would build its own.
 SHARED_CHECKPOINTS = {"medusa_checkpoint", "quantize_run"}
 SHARED_CHECKPOINT_FILES = {"tests/interop/test_sglang.py", "tests/medusa/test_medusa_engine.py",
-                           "tests/medusa/test_medusa_train.py", "tests/pipelines/test_quantize_pipeline.py"}
+                           "tests/medusa/test_medusa_train.py", "tests/pipelines/test_quantize_pipeline.py",
+                           "tests/cluster/test_lost_node_quantize.py"}
 SHARED_UNIT = "the files sharing session checkpoints"
 CLUSTER_FILE = "tests/cluster/test_node_faults.py"  # its own three-node Ray cluster: the other long unit
 
@@ -228,6 +229,8 @@ def serve_tiny_sala(model_dir, name: str, **app_kwargs):
 
 # ------------------------------------------------------------------ the quantize pipeline's run
 SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6"]  # the gate at its defaults
+# Runs that check bytes, not the gate's figures, score 8 prompts instead of the gate's 64.
+FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 
 
 @pytest.fixture(scope="session")
@@ -255,6 +258,12 @@ def run_pipeline(env, *args, check=True, extra_env=None):
     if check and r.returncode != 0:
         raise AssertionError(f"pipeline failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
+
+
+def weights_sha(ckpt) -> str:
+    import hashlib
+
+    return hashlib.sha256((Path(ckpt) / "model.safetensors").read_bytes()).hexdigest()
 
 
 def mixed_plan(config):

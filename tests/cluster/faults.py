@@ -1,8 +1,9 @@
 """Faults on a Ray cluster of several nodes simulated on this machine, shared by the fault tests
-(tests/cluster/test_node_faults.py) and the chaos benchmark (bench/chaos.py): the cluster
-(`ray.cluster_utils.Cluster`, Ray's own way of testing several nodes on one machine: a head and
-workers, each its own raylet and object store), the project's command lines run against it
-through RAY_ADDRESS, the processes of each node, and a mixed HTTP load with its verdicts."""
+(tests/cluster/test_node_faults.py, test_lost_node_quantize.py) and the chaos benchmark
+(bench/chaos.py): the cluster (`ray.cluster_utils.Cluster`, Ray's own way of testing several nodes
+on one machine: a head and workers, each its own raylet and object store), the project's command
+lines run against it through RAY_ADDRESS, the processes of each node, and a mixed HTTP load with
+its verdicts."""
 from __future__ import annotations
 
 import asyncio

@@ -1,89 +1,18 @@
 """Faults on a Ray cluster of three nodes simulated on this machine (tests/cluster/faults.py: a
 head and two workers, each its own raylet and object store, one CPU each), with the project's
 real command lines pointed at it through RAY_ADDRESS. Each fault is checked against the same run
-without it: a lost node or a killed process may cost time, never a byte, a row or a request."""
-import hashlib
+without it: a lost node or a killed process may cost time, never a row or a request. (The quantize
+job's lost node is tests/cluster/test_lost_node_quantize.py's.)"""
 import json
 import os
-import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.faults import (
-    Job,
-    add_node,
-    parts_written,
-    processes,
-    replica_dies,
-    serving_replicas,
-    three_nodes,
-    two_replicas,
-)
-from tests.conftest import SMALL
+from tests.cluster.faults import Job, add_node, parts_written, processes, replica_dies, serving_replicas, two_replicas
 
 pytestmark = pytest.mark.slow
-QUANTIZE = [*SMALL, "--gate-prompts", "8", "--no-register"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with three_nodes() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def cluster_env(pipeline_env, cluster):
-    return {**pipeline_env, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
-
-
-def weights_sha(ckpt: Path) -> str:
-    return hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
-
-
-# ------------------------------------------------------------------------------- quantization
-@pytest.fixture(scope="module")
-def undisturbed_checkpoint(cluster_env, tiny_sala_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("quantize") / "undisturbed"
-    log = Job.pipeline(cluster_env, "quantize.py", "--model", str(tiny_sala_dir), "--output", str(out), *QUANTIZE).finish()
-    assert "workers    3 Ray actors on 3 node(s)" in log, log
-    return out
-
-
-def test_quantization_survives_a_lost_node_and_uses_an_added_one(cluster, cluster_env, tiny_sala_dir, tmp_path,
-                                                                  undisturbed_checkpoint):
-    """A worker node removed once layer 1 is saved, and another added: the job finishes with the
-    same bytes as the undisturbed run, and the lost worker's replacement starts on the new node
-    and takes work."""
-    out = tmp_path / "lost-node"
-    layers = out.with_name(f".{out.name}.layers")
-    job = Job.pipeline(cluster_env, "quantize.py", "--model", str(tiny_sala_dir), "--output", str(out), *QUANTIZE)
-    job.wait_until(lambda: (layers / "layer_001.json").exists())
-    assert not (layers / "layer_007.json").exists()
-    victim = cluster.list_all_nodes()[-1]
-    cluster.remove_node(victim)
-    # The driver paused, once it has asked for the replacement (the cluster holds it, waiting for
-    # a CPU), while the new node comes up: the replacement's start cannot lose the race with the
-    # end of a 10-second job; it joins, and then must be given work.
-    job.wait_until(lambda: any(a["ActorClassName"] == "LayerWorker" and a["State"] == "PENDING_CREATION"
-                               for a in cluster.global_state.actor_table(None).values()), timeout=120)
-    os.kill(job.proc.pid, signal.SIGSTOP)
-    try:
-        added = add_node(cluster)
-        deadline = time.monotonic() + 120
-        while not processes(cluster, "ray::LayerWorker", constructed=True).get(added):
-            assert time.monotonic() < deadline, "no replacement worker started on the added node"
-            time.sleep(0.1)
-    finally:
-        os.kill(job.proc.pid, signal.SIGCONT)
-    log = job.finish()
-    errors = "".join(job.err)
-    assert re.search(r"worker pid \d+ lost", errors) and "a replacement worker" in errors, errors[-3000:]
-    by_node = dict(re.findall(r"node (\w+): (\d+) calls", log))
-    assert int(by_node.get(added.node_id, 0)) > 0, (added.node_id, by_node)
-    assert weights_sha(out) == weights_sha(undisturbed_checkpoint)
 
 
 # --------------------------------------------------------------------------- batch generation

@@ -1,7 +1,6 @@
 """The quantize pipeline end to end on tiny-sala: real local Ray, real MLflow sqlite store, the
 real CLI in a subprocess; a worker process killed mid-run and a driver interrupted, both from
 outside (by pid); 1 worker against 2; `ray job submit`."""
-import hashlib
 import json
 import os
 import re
@@ -18,16 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SMALL, free_port, mixed_plan, run_pipeline
+from tests.conftest import FEW_GATE_PROMPTS, ROOT, free_port, mixed_plan, run_pipeline, weights_sha
 
-# Runs that check bytes, not the gate's figures, score 8 prompts instead of the gate's 64.
-FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 GATE_PASSED = re.compile(r"gate \(KL <= [\d.]+, flips <= \d+%, cosine >= [\d.]+\) passed")
 pytestmark = pytest.mark.slow
-
-
-def weights_sha(ckpt: Path) -> str:
-    return hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
 
 
 def test_end_to_end_checkpoint_mlflow_and_registry(pipeline_env, quantize_run, tiny_sala_dir):
