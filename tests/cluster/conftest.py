@@ -12,5 +12,9 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def cluster_env(pipeline_env, cluster):
-    return {**pipeline_env, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
+def cluster_env(pipeline_env, cluster, tmp_path_factory):
+    """The command lines' environment on the cluster, with a SALA_HOME and MLflow store of the
+    module's own: its runs are never among those another module counts in the session's store."""
+    home = tmp_path_factory.mktemp("cluster_home")
+    return {**pipeline_env, "SALA_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+            "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
