@@ -84,8 +84,9 @@ def own_step_costs(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def local_engine(tiny_sala_dir):
-    """tiny-sala in an Engine in this process, one torch thread: the expected outputs that
-    servers and batch jobs built on the same weights must reproduce."""
+    """tiny-sala in an Engine in this process, one torch thread, eager (its compiled steps are
+    tests/engine's): the expected outputs that servers and batch jobs built on the same weights
+    must reproduce."""
     from transformers import AutoTokenizer
 
     from sala.checkpoint import load_model
@@ -93,7 +94,7 @@ def local_engine(tiny_sala_dir):
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir))
+    yield Engine(load_model(tiny_sala_dir), AutoTokenizer.from_pretrained(tiny_sala_dir), compile=False)
     torch.set_num_threads(n)
 
 
