@@ -16,6 +16,7 @@ import time
 import types
 
 import torch
+from torch._inductor import cpp_builder
 from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
@@ -90,6 +91,9 @@ class CompiledStep:
         try:
             # Not a silent eager run; and no "duck" sizes: two dynamic sizes equal when compiling (a
             # tree's nodes and its paths, say) must stay two symbols, as guards are not checked later.
+            # Inductor looks for its C++ compiler only after tracing and generating the code (~15 s on
+            # tiny-sala): a machine without one is told at once (the search is cached).
+            cpp_builder.get_cpp_compiler()
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), fx_config.patch(use_duck_shape=False):
                 out = self.fn(*leaves)
         except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
