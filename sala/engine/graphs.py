@@ -91,8 +91,8 @@ class CompiledStep:
         try:
             # Not a silent eager run; and no "duck" sizes: two dynamic sizes equal when compiling (a
             # tree's nodes and its paths, say) must stay two symbols, as guards are not checked later.
-            # Inductor looks for its C++ compiler only after tracing and generating the code (~15 s on
-            # tiny-sala): a machine without one is told at once (the search is cached).
+            # Inductor looks for its C++ compiler only after tracing and generating the code (11 s of
+            # tiny-sala's first decode step): a machine without one is told at once (the search is cached).
             cpp_builder.get_cpp_compiler()
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), fx_config.patch(use_duck_shape=False):
                 out = self.fn(*leaves)
