@@ -89,11 +89,11 @@ class CompiledStep:
             torch._dynamo.mark_dynamic(t, dim)
         t0 = time.perf_counter()
         try:
-            # Not a silent eager run; and no "duck" sizes: two dynamic sizes equal when compiling (a
-            # tree's nodes and its paths, say) must stay two symbols, as guards are not checked later.
             # Inductor looks for its C++ compiler only after tracing and generating the code (11 s of
             # tiny-sala's first decode step): a machine without one is told at once (the search is cached).
             cpp_builder.get_cpp_compiler()
+            # Not a silent eager run; and no "duck" sizes: two dynamic sizes equal when compiling (a
+            # tree's nodes and its paths, say) must stay two symbols, as guards are not checked later.
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), fx_config.patch(use_duck_shape=False):
                 out = self.fn(*leaves)
         except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
