@@ -234,16 +234,19 @@ SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-seq
 FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 
 
+def home_env(home) -> dict[str, str]:
+    """The environment of a SALA_HOME at `home`, with its MLflow sqlite store inside it."""
+    return {"SALA_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{Path(home) / 'mlflow.db'}"}
+
+
 @pytest.fixture(scope="session")
 def pipeline_env(tmp_path_factory):
     """Environment of pipelines/quantize.py runs: their own SALA_HOME and MLflow sqlite store."""
     import sys
-    from pathlib import Path
 
     home = tmp_path_factory.mktemp("sala_home")
     e = dict(os.environ)
-    e.update({"SALA_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-              "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
+    e.update({**home_env(home), "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
     e.pop("RAY_ADDRESS", None)
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     return e

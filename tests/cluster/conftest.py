@@ -3,6 +3,7 @@ that points the project's command lines at it."""
 import pytest
 
 from tests.cluster.faults import three_nodes
+from tests.conftest import home_env
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +16,5 @@ def cluster():
 def cluster_env(pipeline_env, cluster, tmp_path_factory):
     """The command lines' environment on the cluster, with a SALA_HOME and MLflow store of the
     module's own: its runs are never among those another module counts in the session's store."""
-    home = tmp_path_factory.mktemp("cluster_home")
-    return {**pipeline_env, "SALA_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-            "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1"}
+    return {**pipeline_env, **home_env(tmp_path_factory.mktemp("cluster_home")), "RAY_ADDRESS": cluster.address,
+            "OMP_NUM_THREADS": "1"}
