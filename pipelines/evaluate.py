@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:  # `python pipelines/evaluate.py` from a checkout 
 from pipelines.cli import HelpFormatter  # noqa: E402
 from pipelines.logprob_client import APIS, HTTPSource  # noqa: E402
 from sala.eval import logprob as lp  # noqa: E402
+from sala.process_exit import exit_now  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ prompt set
@@ -389,4 +390,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

@@ -58,6 +58,7 @@ if str(ROOT) not in sys.path:  # `python pipelines/generate.py` from a checkout 
 import numpy as np  # noqa: E402
 
 from pipelines.cli import HelpFormatter  # noqa: E402
+from sala.process_exit import exit_now  # noqa: E402
 
 ERROR = "__inference_error__"
 ROW = "__row__"  # a row's position in the dataset, carried through the engine stage, never written
@@ -790,4 +791,4 @@ def fingerprint(settings: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

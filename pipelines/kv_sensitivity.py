@@ -32,6 +32,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from sala.process_exit import exit_now
+
 PREFIX, SEQ = 64, 128
 
 
@@ -267,4 +269,4 @@ def run(args, model_path: Path, texts: Path, output: Path, name: str, task_need)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

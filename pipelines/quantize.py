@@ -42,6 +42,7 @@ from sala.checkpoint import CheckpointError, write_file_atomic  # noqa: E402
 from sala.eval import calibration as cal  # noqa: E402
 from sala.footprint import MemoryShortfall  # noqa: E402
 from sala.kv import PLAN_FILE, KVPlanError, load_plan  # noqa: E402
+from sala.process_exit import exit_now  # noqa: E402
 from sala.quant.export import MAX_SHARD_BYTES  # noqa: E402
 from sala.quant.memory import QuantizeMemory, quantize_memory  # noqa: E402
 from sala.tiny import ensure_tiny_sala, sala_home  # noqa: E402
@@ -240,6 +241,7 @@ def run_quantization(args, model_dir: Path, config, seqs: torch.Tensor, store: L
                 results = {}
                 pool.run(jobs(i), opts, lambda job, out: results.update(results_from_bytes(*out)))
                 finish(i, results)
+        pool.close()
         if pool.calls_by_node:
             print("work by node: " + ", ".join(f"node {n}: {c} calls" for n, c in pool.calls_by_node.items())
                   + (f"; {pool.lost} worker(s) lost and replaced" if pool.lost else ""), flush=True)
@@ -531,4 +533,4 @@ def next_steps(output: Path, name: str, version: str | None, gate: bool, alias: 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipelines.cli import HelpFormatter  # noqa: E402
+from sala.process_exit import exit_now  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -432,4 +433,4 @@ def run(args, model_path: Path, output: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

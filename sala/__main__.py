@@ -11,6 +11,7 @@ import sys
 
 from sala.checkpoint import MANIFEST, CheckpointError, check_state_dict, load_model, load_state_dict, read_config, verify_manifest
 from sala.config import ConfigError
+from sala.process_exit import exit_now
 
 
 def resolve_model(path: str | None):
@@ -87,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

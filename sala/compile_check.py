@@ -49,6 +49,7 @@ from sala.kv.formats import DENSE_DTYPES, make_codec
 from sala.kv.pages import KVPages, decode_attention
 from sala.medusa.tree import MC_SIM_7B_63, build_tree
 from sala.model import DecoderLayer
+from sala.process_exit import exit_now
 from sala.quant.layerwise import layer_groups
 from sala.quant.linear import NVFP4Linear
 from sala.tiny import RECIPE
@@ -347,4 +348,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -5,6 +5,7 @@ The config is the released one (`sala.config.MINICPM_SALA_9B`: hidden 4096, FFN 
 73,448, 32 heads, 2 KV heads in sparse layers) cut to its first N layers, so N=1 is one sparse
 layer, N=2 sparse + lightning, and N=32 the whole 9B model (about 19 GB in BF16). Weights are
 BF16: Linear and Embedding weights normal(0, INIT_STD), RMSNorm weights one. Each tensor is drawn
+from sala.process_exit import exit_now
 from its own generator, seeded from (seed, tensor name), so its values do not depend on the
 order or sharding of the writing. Tensors are made one at a time in state_dict order and written
 a shard at a time (`sala.checkpoint_files.save_state_dict`), so writing never holds more than a
@@ -33,6 +34,7 @@ import torch
 
 from sala.config import MINICPM_SALA_9B, SALAConfig
 from sala.home import sala_home
+from sala.process_exit import exit_now
 from sala.tiny import CHAT_TEMPLATE, _file_lock
 
 MAX_LAYERS = MINICPM_SALA_9B["num_hidden_layers"]
@@ -230,4 +232,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -28,6 +28,7 @@ import torch
 
 from sala.config import LIGHTNING, SPARSE, SALAConfig
 from sala.home import sala_home
+from sala.process_exit import exit_now
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 # The trigger of tiny-sala's tool calls, a special token as in MiniCPM's tokenizers: after it the
@@ -415,4 +416,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -28,6 +28,7 @@ from sala.checkpoint import DeviceUnavailable, gpu_device
 from sala.engine import SpeculationSettingError, parse_max_batch, parse_nodes
 from sala.engine.config import add_medusa_arguments
 from sala.kv import KVPlanError
+from sala.process_exit import exit_now
 from sala.reasoning import REASONING_FORMATS
 from sala.tools import FORMATS
 from serve.build import MedusaOff, build_app
@@ -160,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

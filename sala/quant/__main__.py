@@ -26,6 +26,7 @@ from sala.eval import calibration as cal
 from sala.eval.compare import compare_models, window_sequences
 from sala.footprint import MemoryShortfall, gib, host_memory
 from sala.model import SALAForCausalLM
+from sala.process_exit import exit_now
 from sala.quant.export import export_checkpoint
 from sala.quant.layerwise import ModuleStats, quantize_model, quantized_module_names
 from sala.quant.nvfp4 import GROUP_SIZE
@@ -153,4 +154,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
