@@ -99,7 +99,7 @@ def test_server_over_http_both_apis_without_torch_on_the_client(server, baseline
     # The CLI against a URL, MLflow logging included, with torch installed: it never imports it.
     cli = ("import runpy, sys\n"
            f"sys.argv = ['evaluate.py', 'compare', '--baseline', {str(tmp_path)!r}, '--url', {server!r}, '--max-kl', '0']\n"
-           "try:\n    runpy.run_path('pipelines/evaluate.py', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+           "code = runpy.run_path('pipelines/evaluate.py')['main']()\n"
            "print('exit', code, 'torch imported', 'torch' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", cli], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": str(ROOT), "SALA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
