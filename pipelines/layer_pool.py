@@ -261,7 +261,7 @@ class LayerPool:
     def close(self) -> None:
         """End the actors, every call answered: by ray.kill, as they hold nothing unsaved. An
         actor left to exit on its own spends about 2 s of a core in the interpreter's teardown
-        (sala/process_exit.py), beside the driver's gate on the same node."""
+        (sala/process_exit.py), taken from the driver's gate where they share a node."""
         import ray
 
         for a in [*self.live, *self.starting.values()]:
