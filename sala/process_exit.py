@@ -18,9 +18,9 @@ from typing import NoReturn
 
 def exit_now(code: int | None) -> NoReturn:
     """End the process with `code` (None: 0) once its threads and exit handlers are done."""
-    for thread in threading.enumerate():  # what the interpreter waits for before its exit handlers
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does first at exit: threading's own exit callbacks (a thread pool left
+    # open is told to stop there), then a wait for every non-daemon thread.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

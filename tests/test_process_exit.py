@@ -1,6 +1,7 @@
-"""sala.process_exit.exit_now ends a process as sys.exit would (its threads finished, its exit
-handlers run, what it printed flushed, its code returned) and skips only the interpreter's
-teardown: a module global's finalizer, which the teardown would run, never runs."""
+"""sala.process_exit.exit_now ends a process as sys.exit would (its threads finished, a thread
+pool left open stopped, its exit handlers run, what it printed flushed, its code returned) and
+skips only the interpreter's teardown: a module global's finalizer, which the teardown would
+run, never runs."""
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ from tests.conftest import ROOT
 
 SCRIPT = """
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from sala.process_exit import exit_now
 
 class Teardown:
@@ -19,6 +21,8 @@ class Teardown:
 kept = Teardown()  # a module global: only the interpreter's teardown finalizes it
 atexit.register(print, "exit handler ran")
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+pool = ThreadPoolExecutor(2)  # left open: its idle workers are non-daemon threads that wait to be told to stop
+pool.submit(time.sleep, 0).result()
 print("written before exit", end="")  # block-buffered into the pipe: only a flush sends it
 exit_now({code})
 """
