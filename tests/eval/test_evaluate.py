@@ -16,7 +16,7 @@ from pipelines.evaluate import builtin_rows, tokenize_prompts
 from pipelines.logprob_client import HTTPSource
 from sala.eval import logprob as lp
 from sala.eval.engine_source import EngineSource
-from tests.conftest import ROOT, free_port, serve_tiny_sala
+from tests.conftest import ROOT, free_port, home_env, serve_tiny_sala
 
 TOP_K = 32  # the whole pipeline at a smaller k keeps the test fast; the divergence at 256 is test_logprob's
 
@@ -102,8 +102,7 @@ def test_server_over_http_both_apis_without_torch_on_the_client(server, baseline
            "code = runpy.run_path('pipelines/evaluate.py')['main']()\n"
            "print('exit', code, 'torch imported', 'torch' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", cli], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(ROOT), "SALA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
-                            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+                       env={"PYTHONPATH": str(ROOT), **home_env(tmp_path), "PATH": "/usr/bin:/bin"})
     assert r.stdout.strip().splitlines()[-1] == "exit 0 torch imported False", (r.stdout[-1500:], r.stderr[-2000:])
 
 
@@ -169,8 +168,7 @@ def test_down_slow_and_short_servers_give_clear_errors(baselines):
 
 
 def test_cli_baseline_and_compare_with_mlflow(tiny_sala_dir, tmp_path):
-    env = {"PYTHONPATH": str(ROOT), "SALA_HOME": str(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
-           "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(ROOT), **home_env(tmp_path), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     run = lambda *a: subprocess.run([sys.executable, str(ROOT / "pipelines" / "evaluate.py"), *a], capture_output=True,  # noqa: E731
                                     text=True, env=env, timeout=300)
     out = tmp_path / "base"
