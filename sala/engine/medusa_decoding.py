@@ -56,7 +56,7 @@ from sala.medusa.tree import MedusaTree, build_tree, by_acceptance, expected_acc
 from sala.sampling import InvalidParam, SamplingParams, inverse_cdf, sample, token_logprobs, uniforms
 
 log = logging.getLogger(__name__)
-WARMUP_TOKENS, WARMUP_RUNS = 64, 8  # a warmup request's prompt and output tokens; the most runs a class and kind takes
+WARMUP_TOKENS, WARMUP_RUNS = 64, 16  # a warmup request's prompt and output tokens; the most runs a class and kind takes
 
 # What a verify step accepts by (`step_kind`).
 GREEDY = "greedy"  # greedy requests without logprobs or a grammar: argmaxes alone

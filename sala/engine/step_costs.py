@@ -4,10 +4,11 @@ What a step costs depends on the model's shapes and weight format (its config), 
 shapes and tree (their config), the device and its kind, the dtype, torch's thread count and
 the engine settings that change a step (compiled or not, the cache plan, the page size, the
 state pool's size). Those make the key: `$SALA_HOME/step_costs/<hash of the key>.json` holds
-the key, the times and the heads' acceptance scales (sala/engine/tree_choice.py), so a second start, a
-restarted replica and every batch actor after the first begin with the choice made, and a
-changed key measures again. A file that cannot be read, or holds another key, is ignored with a
-log line: the times are measured again.
+the key, the times and the heads' acceptance scales (one a kind of batch), each with the steps
+it came from (sala/engine/tree_choice.py), so a second start, a restarted replica and every
+batch actor after the first begin with the choice made, and a changed key measures again. A file
+that cannot be read, or holds another key, is ignored with a log line: the times are measured
+again.
 """
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ class StepCosts:
 
     def __init__(self, key: dict, home: Path | None = None):
         self.key = json.loads(json.dumps(key, sort_keys=True, default=str))  # as it reads back
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
+        # Encoded once: the heads' tree makes it tens of KB, and a save comes in the middle of a step.
+        self.key_json = json.dumps(self.key, sort_keys=True)
+        digest = hashlib.sha256(self.key_json.encode()).hexdigest()[:20]
         self.path = (home or sala_home()) / "step_costs" / f"{digest}.json"
 
     def load(self) -> tuple[list[list], list[list]]:
@@ -66,8 +69,8 @@ class StepCosts:
             if data["key"] != self.key:
                 raise ValueError("it holds another key")
             times = [[str(kind), int(cls), int(nodes), float(ms)] for kind, cls, nodes, ms in data["step_ms"]]
-            kept = [[str(kind), int(nodes), float(scale)] for kind, nodes, scale in data["acceptance"]]
-            if not all(ms > 0 for *_, ms in times) or not all(scale >= 0 for *_, scale in kept):
+            kept = [[str(kind), float(scale), int(steps)] for kind, scale, steps in data["acceptance"]]
+            if not all(ms > 0 for *_, ms in times) or not all(scale >= 0 and steps > 0 for *_, scale, steps in kept):
                 raise ValueError("a step time or acceptance is out of range")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring the Medusa step costs in %s (%s: %s); measuring them again", self.path,
@@ -81,7 +84,7 @@ class StepCosts:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
-                json.dump({"key": self.key, "step_ms": times, "acceptance": kept}, f)
+                f.write(f'{{"key": {self.key_json}, "step_ms": {json.dumps(times)}, "acceptance": {json.dumps(kept)}}}')
             os.replace(f.name, self.path)
         except OSError as e:
             log.warning("could not save the Medusa step costs to %s: %s", self.path, e)

@@ -7,19 +7,22 @@ of them (a request's drafts are the heads' top-k at every depth, whatever tree r
 each kind of batch (`step_kind`) and batch size class (1, 2, 4, 8, ...) the choice keeps two
 running estimates, both from the decode steps the engine takes anyway: what each candidate's
 step takes (ms), and how many tokens each tree's verify steps yield (its accept length: the
-heads' validation figure for it, 1 + the sum of its paths' acceptance, scaled by what its verify
-steps kept against that figure over the last few hundred of them, as a step keeps anything from
-no draft to a whole path; until OWN_STEPS of its steps were measured, scaled as every tree's
-steps found theirs).
+heads' validation figure for it, 1 + the sum of its paths' acceptance, scaled by what the last
+few hundred verify steps of every tree kept against their figures, as a step keeps anything from
+no draft to a whole path). One scale for every tree: how much drafts keep moves with the text
+(a stretch the model repeats keeps whole paths) far more than from one tree to the next (on
+tiny-sala's held-out text the 2-, 4- and 8-node trees each kept 1.18-1.28 times their figure), so
+a tree scaled by its own steps would be credited with the text it happened to verify.
 A step takes the timed candidate with the most expected tokens per second, accept length / ms
 (plain decoding: 1 / ms; a tree only at PLAIN_MARGIN times plain decoding's or more). A
 candidate is timed once TIMED of its steps were: read from the disk cache
-(sala/engine/step_costs.py, which keeps the acceptance too), or measured at the first decode
-steps of the class (plain first, then the trees smallest first, until one does worse than
-STOP_BELOW the best so far: a larger tree costs more still; weighed at every step, so the walk
-goes on where the estimates later bring that tree within STOP_BELOW); `Engine.warmup` runs those
-steps up front. Then EXPLORE_STEPS steps in every EXPLORE_EVERY take the runner-up, every other time
-plain decoding where a tree is chosen, so that the estimates the choice turns on stay current.
+(sala/engine/step_costs.py, which keeps the acceptance too, each scale with the steps it came
+from), or measured at the first decode steps of the class (plain first, then the trees smallest
+first, until one does worse than STOP_BELOW the best so far: a larger tree costs more still;
+weighed at every step, so the walk goes on where the estimates later bring that tree within
+STOP_BELOW); `Engine.warmup` runs those steps up front. Then EXPLORE_STEPS steps in every
+EXPLORE_EVERY take the runner-up, every other time plain decoding where a tree is chosen, so
+that the estimates the choice turns on stay current.
 The first SETTLE steps after a change of candidate are not measured: a plain step right after
 verify steps runs slower (the verify's code and data displace it), and a verify right after
 plain steps reads drafts made tokens earlier (medusa_decoding.tree_drafts).
@@ -34,16 +37,21 @@ from dataclasses import dataclass
 from sala.engine.stats import ChosenTree
 
 CANDIDATE_NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-TIMED = 3  # measured steps before a candidate's time counts
+# Measured steps before a candidate's time counts: one step's time varies by 10-20% from the next,
+# and trees a few percent apart are to be told apart (at batch 1 on the 2-core VM the 2- to 8-node
+# trees ran at 1.30-1.34x plain decoding, the 4-node one at 1.41x).
+TIMED = 8
 # Steps of a candidate after a change before its steps are measured: a plain step right after verify
 # steps runs slower (on the 2-core VM at batch 1: 2.11, 1.98, 1.84, then 1.6-1.7 ms), and a verify
 # right after plain steps reads drafts made tokens earlier.
 SETTLE = 3
 STOP_BELOW = 0.85  # timing a class stops at the first tree expected below this share of the best so far
-EXPLORE_EVERY, EXPLORE_STEPS = 128, SETTLE + TIMED  # in a row
+# A visit of EXPLORE_STEPS in a row in every EXPLORE_EVERY steps: where plain decoding is chosen, its
+# verify steps and the slower plain steps after them cost more than they gain (at batch 4 on the
+# 2-core VM, 0.95x plain decoding with a visit in every 128 steps, 0.98-1.00x with one in 512).
+EXPLORE_EVERY, EXPLORE_STEPS = 512, SETTLE + TIMED
 WEIGHT = 1 / 16  # of a new step in a running estimate
 ACCEPT_WEIGHT = 1 / 256  # of a new verify step in a running acceptance: one step keeps 0 to depth drafts
-OWN_STEPS = 32  # measured verify steps before a tree's own acceptance counts
 PLAIN_MARGIN = 1.1  # a tree is chosen over plain decoding where expected at this many times its tokens/s or more
 OUTLIER = 3.0  # a step past this many times the estimate is a pause (a recompile, the collector), not its cost
 
@@ -86,8 +94,8 @@ class TreeChoice:
         self.max_batch, self.fixed = max_batch, fixed
         # (kind, size class, nodes) -> its steps' ms; `step_ms` rows (the disk cache's) count as timed
         self.ms = {(kind, cls, nodes): Running(ms, TIMED) for kind, cls, nodes, ms in step_ms}
-        # (kind, nodes) -> drafts its verify steps kept / drafts the priors expected; (kind, 0): every tree's
-        self.acceptance: dict[tuple[str, int], Running] = {}
+        # kind -> drafts its verify steps kept / drafts the priors expected, every tree's together
+        self.acceptance: dict[str, Running] = {}
         self.learned(acceptance)
         self.force: int | None = None  # set while warmup compiles a step
         self.steps = 0
@@ -157,8 +165,7 @@ class TreeChoice:
         """Tokens a request's step of the candidate is expected to yield now."""
         if not nodes:
             return 1.0
-        own, pooled = self.acceptance.get((kind, nodes)), self.acceptance.get((kind, 0))
-        scale = own.mean if own and own.count >= OWN_STEPS else pooled.mean if pooled else 1.0
+        scale = est.mean if (est := self.acceptance.get(kind)) else 1.0
         return 1 + scale * self._expected_drafts(nodes)
 
     def _expected_drafts(self, nodes: int) -> float:
@@ -184,21 +191,20 @@ class TreeChoice:
         if self._measured():
             kind, _, nodes = self.current
             scale = accepted / (requests * self._expected_drafts(nodes))
-            for key in ((kind, nodes), (kind, 0)):
-                self.acceptance.setdefault(key, Running(weight=ACCEPT_WEIGHT)).add(scale)
+            self.acceptance.setdefault(kind, Running(weight=ACCEPT_WEIGHT)).add(scale)
 
     def step_ms(self) -> list[list]:
         """[kind, size class, nodes, ms] of each timed candidate: what the disk cache keeps, with `kept`."""
         return [[*key, est.mean] for key, est in sorted(self.ms.items()) if est.count >= TIMED]
 
     def learned(self, acceptance: list[list]) -> None:
-        """Take these acceptance scales (`kept`'s rows, from the disk cache) as full running means."""
-        self.acceptance |= {(kind, nodes): Running(mean=mean, count=round(1 / ACCEPT_WEIGHT), weight=ACCEPT_WEIGHT)
-                            for kind, nodes, mean in acceptance}
+        """Take these acceptance scales (`kept`'s rows, from the disk cache) as running means of as
+        many steps as they came from."""
+        self.acceptance |= {kind: Running(mean=mean, count=steps, weight=ACCEPT_WEIGHT) for kind, mean, steps in acceptance}
 
     def kept(self) -> list[list]:
-        """[kind, nodes, scale] of each acceptance measured so far (nodes 0: every tree's)."""
-        return [[*key, est.mean] for key, est in sorted(self.acceptance.items())]
+        """[kind, scale, steps] of each kind's acceptance measured so far."""
+        return [[kind, est.mean, est.count] for kind, est in sorted(self.acceptance.items())]
 
     def table(self) -> tuple[ChosenTree, ...]:
         """The choice now at each class and kind whose timing is done, outside exploration."""

@@ -356,13 +356,13 @@ def test_tree_choice_follows_the_steps_it_takes():
     smaller tree; the chosen tree's steps getting dearer send it to the next best. The first step
     after a change, forced steps (warmup's compiling) and pauses past OUTLIER times the estimate
     do not count."""
-    from sala.engine.tree_choice import ACCEPT_WEIGHT, OUTLIER, OWN_STEPS, SETTLE, WEIGHT, Running, TreeChoice
+    from sala.engine.tree_choice import ACCEPT_WEIGHT, OUTLIER, SETTLE, WEIGHT, TreeChoice
 
     choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None,
                         step_ms=[[GREEDY, 1, nodes, ms] for nodes, ms in MS.items()])
     assert choice(1, GREEDY) == 4  # read from the cache: timed, no walk
     taken = run_choice(choice, MS, 120, kept=0.7)
-    assert choice.acceptance[GREEDY, 0].mean == pytest.approx(0.7, abs=0.05) and taken[-1] == by_hand(choice, MS) == 2
+    assert choice.acceptance[GREEDY].mean == pytest.approx(0.7, abs=0.05) and taken[-1] == by_hand(choice, MS) == 2
     dear = MS | {2: 3.0}
     assert run_choice(choice, dear, 200, kept=0.7)[-1] == by_hand(choice, dear) == 4
     assert choice.ms[GREEDY, 1, 2].mean > MS[2]  # one dear step was enough to leave it
@@ -375,18 +375,21 @@ def test_tree_choice_follows_the_steps_it_takes():
         choice.timed(before)
     choice.timed(1e3)  # counted as OUTLIER times the estimate
     assert choice.ms[GREEDY, 1, 4].mean == pytest.approx(before + WEIGHT * (OUTLIER - 1) * before)
-    # A tree's own verify steps set its expected accept length; one that has not verified takes
-    # what every tree's steps kept against their validation figures.
-    other = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None, acceptance=[[GREEDY, 0, 0.9], [GREEDY, 4, 0.5]])
-    assert other.accept_length(GREEDY, 4) == pytest.approx(1 + 0.5 * (PRIOR[4] - 1))
-    assert other.accept_length(GREEDY, 2) == pytest.approx(1 + 0.9 * (PRIOR[2] - 1))
-    # A step keeps anything from no draft to a whole path: a tree's own scale counts once OWN_STEPS
-    # of its steps were measured, and the scales move by ACCEPT_WEIGHT of a step, the kept ones'
-    # as if they had that many steps behind them.
-    other.acceptance[GREEDY, 4] = Running(mean=0.5, count=OWN_STEPS - 1, weight=ACCEPT_WEIGHT)
-    assert other.accept_length(GREEDY, 4) == pytest.approx(1 + 0.9 * (PRIOR[4] - 1))
-    other.acceptance[GREEDY, 0].add(0.0)
-    assert other.acceptance[GREEDY, 0].mean == pytest.approx(0.9 * (1 - ACCEPT_WEIGHT))
+    # Every tree's expected accept length is its validation figure scaled by what the verify steps
+    # of every tree kept against theirs: a step of a small tree that keeps all it can raises a
+    # large tree's expectation as much as its own.
+    kept = [[GREEDY, 0.9, 300], [TEMPERED, 1.2, 5]]
+    other = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None, acceptance=kept)
+    assert [other.accept_length(GREEDY, n) for n in (2, 16)] == pytest.approx([1 + 0.9 * (PRIOR[n] - 1) for n in (2, 16)])
+    assert other.kept() == kept
+    other.current, other.run = (GREEDY, 1, 1), SETTLE  # a measured verify step of the 1-node tree
+    other.observe(requests=2, accepted=2)  # both requests kept their draft: twice the figure of 0.5
+    scale = 0.9 + ACCEPT_WEIGHT * (2 / (PRIOR[1] - 1) / 2 - 0.9)
+    assert other.accept_length(GREEDY, 16) == pytest.approx(1 + scale * (PRIOR[16] - 1))
+    # A step keeps anything from no draft to a whole path: the scales move by ACCEPT_WEIGHT of a
+    # step, or by 1 / steps while fewer are behind them, read from the disk cache too.
+    other.acceptance[TEMPERED].add(0.0)
+    assert other.acceptance[TEMPERED].mean == pytest.approx(1.2 * 5 / 6)
     # Plain decoding is taken unless a tree is expected at PLAIN_MARGIN times its tokens/s.
     assert TreeChoice.best({0: 1.0, 4: 1.05}) == 0 and TreeChoice.best({0: 1.0, 4: 1.15}) == 4
 
@@ -394,7 +397,7 @@ def test_tree_choice_follows_the_steps_it_takes():
 def by_hand(choice, ms: dict[int, float]) -> int:
     """The candidate with the most tokens per ms by `ms` and the choice's acceptance scale now, a
     tree only at 1.1 times plain decoding's or more."""
-    scale = choice.acceptance[GREEDY, 0].mean
+    scale = choice.acceptance[GREEDY].mean
     rates = {n: (1 + scale * (PRIOR[n] - 1) if n else 1) / t for n, t in ms.items()}
     best = max(rates, key=rates.get)
     return best if rates[best] >= 1.1 * rates[0] else 0
@@ -445,14 +448,15 @@ def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_secon
     saved = json.loads(path.read_text())  # as they were when the last candidate became timed
     again = second.decoding.choice
     assert again.step_ms() == saved["step_ms"] and [r[:3] for r in saved["step_ms"]] == [r[:3] for r in choice.step_ms()]
-    assert again.kept() == saved["acceptance"] and [GREEDY, 0] in [r[:2] for r in saved["acceptance"]]
+    assert again.kept() == saved["acceptance"] and GREEDY in [r[0] for r in saved["acceptance"]]
     untimed, rates = again.weigh(GREEDY, 1)  # the choice made: the best timed candidate (or a larger tree's timing)
     assert 0 in rates and untimed != 0
     first = untimed if untimed is not None else again.best(rates)
     assert second.decoding.for_step([second.add_request(prompts[0], params)]).rows == first + 1
     assert fresh_engine(base, heads, tok, max_seqs=2).decoding.choice.step_ms() == []  # another key
     for bad in ("{not json", json.dumps({"key": {"other": 1}, "step_ms": [["greedy", 1, 0, 1.0]], "acceptance": []}),
-                json.dumps(saved | {"step_ms": [["greedy", 1, 0, -1.0]]})):
+                json.dumps(saved | {"step_ms": [["greedy", 1, 0, -1.0]]}),
+                json.dumps(saved | {"acceptance": [["greedy", 1.0]]})):  # a scale without its steps
         path.write_text(bad)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="sala.engine.step_costs"):
