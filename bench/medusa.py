@@ -5,11 +5,12 @@ batch 1, 4, 16 and 32, greedy and sampled; accept length and acceptance per dept
     python pipelines/train_medusa.py                 # once: trains heads, prints the checkpoint
     python bench/medusa.py [--model CKPT] [--batch 1 4 16 32] [--trees 4 16 63] [--api-batch 1 4] [--uniform CKPT]
 
-First the Python API as a new user meets it (`--api-batch`): fresh engines, no warmup(), each
-timed from its first request to its last (`python_api`): plain, then Medusa with no step costs
-on disk (its first start), plain again, then Medusa again (a second start, which reads the costs
-the first measured); tokens/s with the compiling both do on first use left out (and with it),
-the step timing a first start does included; from_pretrained's seconds are its start-up time.
+First the Python API as a new user meets it (`--api-batch`): fresh engines, no warmup(), a
+plain one and a Medusa one stepped in turns, each timed from its first request to its last
+(`python_api`): the Medusa engine with no step costs on disk (its first start), then a fresh
+pair again (a second start, which reads the costs the first measured); tokens/s with the
+compiling both do on first use left out (and with it), the step timing a first start does
+included; from_pretrained's seconds are its start-up time; the median of `--repeats` rounds.
 
 Then both engines warmed up: plain decode compiled with inductor on CPU (CUDA graphs on
 GPU), Medusa's verify steps compiled the same way on CPU (one pair of graphs for every tree,
@@ -176,45 +177,68 @@ def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens:
     return results[0], results[1]
 
 
-def fresh_start(path, prompts: list[list[int]], params: list, batch: int, max_seqs: int, device, medusa: bool) -> dict:
-    """A fresh engine as the Python API makes one, without warmup(): its start-up time
-    (from_pretrained) and its tokens/s from its first request's submission to the last one's end,
-    `batch` requests in flight: with its compiling (inductor's graphs, on first use) and without,
-    any step timing included either way."""
+def fresh_pair(path, prompts: list[list[int]], params: list, batch: int, max_seqs: int, device) -> list[dict]:
+    """A fresh plain engine and a fresh Medusa engine as the Python API makes them, without
+    warmup(): each one's start-up time (from_pretrained), then both run every prompt, `batch`
+    requests in flight, stepped in turns of TURN_S seconds from their first request to their last
+    (the machine's drift falls on both): tokens/s over each one's turns with its compiling
+    (inductor's graphs, on first use) and without, any step timing included either way."""
     from sala.engine import Engine
 
-    t0 = time.perf_counter()
-    engine = Engine.from_pretrained(path, medusa=None if medusa else False, device=device, max_seqs=max_seqs)
-    startup = time.perf_counter() - t0
-    reqs, wall = keep_in_flight(engine, prompts, params, batch)
-    tokens, compiling = sum(len(r.output_ids) for r in reqs), engine.compile_seconds or 0.0
-    return {"engine": engine, "startup_s": startup, "tokens_per_s": tokens / wall, "compile_s": compiling,
-            "decode_tokens_per_s": tokens / (wall - compiling), "outputs": [r.output_ids for r in reqs]}
+    engines, startup = [], []
+    for medusa in (False, True):
+        t0 = time.perf_counter()
+        engines.append(Engine.from_pretrained(path, medusa=None if medusa else False, device=device, max_seqs=max_seqs))
+        startup.append(time.perf_counter() - t0)
+    runs, walls = [InFlight(e, prompts, params, batch) for e in engines], [0.0, 0.0]
+    turn = 0
+    while any(r.top_up() or r.engine.has_work() for r in runs):
+        for i in (0, 1) if turn % 2 == 0 else (1, 0):
+            walls[i] += runs[i].run(TURN_S)
+        turn += 1
+    out = []
+    for engine, run, wall, start in zip(engines, runs, walls, startup):
+        tokens, compiling = run.generated(), engine.compile_seconds or 0.0
+        out.append({"engine": engine, "startup_s": start, "tokens_per_s": tokens / wall, "compile_s": compiling,
+                    "decode_tokens_per_s": tokens / (wall - compiling), "outputs": [r.output_ids for r in run.reqs]})
+    return out
 
 
-def python_api(path, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool, max_seqs: int, device) -> dict:
-    """The Python API without warmup(), fresh engines in turn: plain, Medusa with no step costs on
-    disk (its first start: the cache file removed), plain, Medusa again (a second start, which
-    reads the costs the first one measured). Each Medusa start against the plain start before it."""
+def python_api(path, prompts: list[list[int]], batch: int, max_tokens: int, greedy: bool, max_seqs: int, device,
+               repeats: int) -> dict:
+    """The Python API without warmup(), `repeats` rounds of two fresh pairs (`fresh_pair`): the
+    Medusa engine with no step costs on disk (its first start: the cache file removed), then again
+    (a second start, which reads the costs the first one measured). A start's figures are the
+    round's whose speedup is the median."""
     from sala.engine import Engine
 
     params = request_params(len(prompts), max_tokens, greedy)
-    out, lossless = {}, True
-    for name in ("first start", "second start"):
-        plain = fresh_start(path, prompts, params, batch, max_seqs, device, medusa=False)
-        if name == "first start":  # the costs a start before measured go, so that this one measures them
-            engine = Engine.from_pretrained(path, device=device, max_seqs=max_seqs)
-            if (costs := getattr(engine.decoding, "costs", None)) is not None:
-                costs.path.unlink(missing_ok=True)
-        m = fresh_start(path, prompts, params, batch, max_seqs, device, medusa=True)
-        lossless &= not greedy or m["outputs"] == plain["outputs"]
-        out[name] = {"speedup": m["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
-                     "speedup_with_compiling": m["tokens_per_s"] / plain["tokens_per_s"],
-                     "tokens_per_s": m["decode_tokens_per_s"], "plain_tokens_per_s": plain["decode_tokens_per_s"],
-                     "compile_s": m["compile_s"], "plain_compile_s": plain["compile_s"], "startup_s": m["startup_s"],
-                     "plain_startup_s": plain["startup_s"], "choice": m["engine"].decoding.describe()}
+    runs, lossless = {"first start": [], "second start": []}, True
+    for _ in range(repeats):
+        for name, starts in runs.items():
+            if name == "first start":  # the costs a start before measured go, so that this one measures them
+                engine = Engine.from_pretrained(path, device=device, max_seqs=max_seqs)
+                if (costs := getattr(engine.decoding, "costs", None)) is not None:
+                    costs.path.unlink(missing_ok=True)
+            plain, m = fresh_pair(path, prompts, params, batch, max_seqs, device)
+            lossless &= not greedy or m["outputs"] == plain["outputs"]
+            starts.append({"speedup": m["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+                           "speedup_with_compiling": m["tokens_per_s"] / plain["tokens_per_s"],
+                           "tokens_per_s": m["decode_tokens_per_s"], "plain_tokens_per_s": plain["decode_tokens_per_s"],
+                           "compile_s": m["compile_s"], "plain_compile_s": plain["compile_s"],
+                           "startup_s": m["startup_s"], "plain_startup_s": plain["startup_s"],
+                           "choice": m["engine"].decoding.describe()})
+    out = {}
+    for name, starts in runs.items():
+        speedups = [x["speedup"] for x in starts]
+        out[name] = starts[speedups.index(median(speedups))] | {"speedup_runs": speedups}
     out["greedy_identical"] = lossless
     return out
+
+
+def median(xs: list[float]) -> float:
+    """The middle value (of an odd count; the upper middle of an even one): one of the runs."""
+    return sorted(xs)[len(xs) // 2]
 
 
 def main(argv=None) -> int:
@@ -228,7 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="a request's mean length (request_params)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--sampling", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"])
-    ap.add_argument("--repeats", type=int, default=3, help="pairs (plain, Medusa) of each; speedups are their median")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="pairs (plain, Medusa) of each, and rounds of the Python API rows; speedups are their median")
     ap.add_argument("--api-batch", type=int, nargs="*", default=[1, 4],
                     help="batch sizes of the Python API rows (fresh engines, no warmup())")
     args = ap.parse_args(argv)
@@ -260,12 +285,13 @@ def main(argv=None) -> int:
     for b in args.api_batch:  # first: before this run's warmup() leaves its costs on disk
         for mode in args.sampling:
             r = api.setdefault(str(b), {})[mode] = python_api(path, prompts, b, args.max_tokens, mode == "greedy",
-                                                             max_seqs, device)
+                                                             max_seqs, device, args.repeats)
             lossless &= r["greedy_identical"]
             for name in ("first start", "second start"):
                 x = r[name]
-                print(f"python API, no warmup(), batch {b:>2} {mode:>7}, {name}: {x['speedup']:.2f}x plain "
-                      f"({x['tokens_per_s']:.0f} vs {x['plain_tokens_per_s']:.0f} tokens/s, step timing included, "
+                print(f"python API, no warmup(), batch {b:>2} {mode:>7}, {name}: {x['speedup']:.2f}x plain (runs "
+                      + " ".join(f"{v:.2f}" for v in x["speedup_runs"])
+                      + f"; {x['tokens_per_s']:.0f} vs {x['plain_tokens_per_s']:.0f} tokens/s, step timing included, "
                       f"compiling not: {x['compile_s']:.1f} s against {x['plain_compile_s']:.1f}; with it "
                       f"{x['speedup_with_compiling']:.2f}x); from_pretrained {x['startup_s']:.1f} s (plain "
                       f"{x['plain_startup_s']:.1f} s); then {x['choice']}", flush=True)
@@ -276,10 +302,6 @@ def main(argv=None) -> int:
     print(f"warmed up (compiled, and timed the steps the choice is made by) in {warmup_s:.0f} s", flush=True)
     print(medusa.decoding.describe(), flush=True)
     results = {}
-
-    def median(xs):
-        return sorted(xs)[len(xs) // 2]
-
     for b in args.batch:
         for mode in args.sampling:
             greedy = mode == "greedy"
