@@ -41,9 +41,14 @@ def device_kind(device: torch.device) -> str:
     return f"cpu {name} x{os.cpu_count()}"
 
 
+# The file's layout, in its key: a file of another layout has another name, so code that reads one
+# layout never reads the other's rows (as numbers of another meaning).
+LAYOUT = 2  # acceptance rows [kind, scale, steps]
+
+
 def cost_key(config, heads_config, dtype: torch.dtype) -> dict:
     """What a Medusa engine's step costs depend on (config: the resolved EngineConfig; dtype: the model's)."""
-    return {"model": config.model.to_dict(), "heads": dataclasses.asdict(heads_config),
+    return {"layout": LAYOUT, "model": config.model.to_dict(), "heads": dataclasses.asdict(heads_config),
             "device": device_kind(config.device), "dtype": str(dtype), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "compiled": config.compiled, "kv_plan": config.kv_plan.describe(),
             "page_size": config.page_size, "max_seqs": config.max_seqs}

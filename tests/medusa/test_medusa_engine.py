@@ -408,12 +408,13 @@ def fresh_engine(base, heads, tok, **settings):
 
 
 def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_second_reads_them(
-        base, heads, prompts, tiny_sala_dir, own_step_costs, caplog):
+        base, heads, prompts, tiny_sala_dir, own_step_costs, caplog, monkeypatch):
     """A fresh engine, no warmup(), no costs on disk: its first decode steps are plain, each tree it
     verifies was timed first (or is being timed, smallest first), and its greedy output is plain
     greedy's. The times it measured are on disk, and a second engine with
     the same key starts with them (its first decode step verifies the chosen tree); an unreadable
-    file, or one of another key, is ignored with a log line; a changed key measures again."""
+    file, or one of another key, is ignored with a log line; a changed key measures again, and so
+    does code that writes another layout of the file."""
     from transformers import AutoTokenizer
 
     from sala.engine.medusa_decoding import TreeVerify
@@ -462,6 +463,10 @@ def test_an_engine_without_warmup_times_its_steps_keeps_them_on_disk_and_a_secon
         with caplog.at_level(logging.WARNING, logger="sala.engine.step_costs"):
             assert fresh_engine(base, heads, tok, max_seqs=1).decoding.choice.step_ms() == []
         assert "ignoring the Medusa step costs" in caplog.text and str(path) in caplog.text
+    path.write_text(json.dumps(saved))
+    assert fresh_engine(base, heads, tok, max_seqs=1).decoding.choice.step_ms() == saved["step_ms"]
+    monkeypatch.setattr("sala.engine.step_costs.LAYOUT", 1)  # code of another layout reads another file
+    assert fresh_engine(base, heads, tok, max_seqs=1).decoding.choice.step_ms() == []
 
 
 def test_medusa_settings_parse_and_name_what_is_wrong():
