@@ -116,6 +116,21 @@ class InFlight:
         return now - start
 
 
+def in_turns(runs: list[InFlight], full: bool) -> list[list]:
+    """Step the runs in turns of TURN_S seconds, the one going first alternating (this machine's
+    speed drifts: each run's time is taken over stretches the other's alternate with): while each
+    has its `batch` requests in flight (`full`), else until every prompt is done. [tokens,
+    seconds] of each run's turns."""
+    timed, turn = [[0, 0.0] for _ in runs], 0
+    while all(r.top_up() for r in runs) if full else any(r.top_up() or r.engine.has_work() for r in runs):
+        for i in (0, 1) if turn % 2 == 0 else (1, 0):
+            before = runs[i].generated()
+            timed[i][1] += runs[i].run(TURN_S, full=full)
+            timed[i][0] += runs[i].generated() - before
+        turn += 1
+    return timed
+
+
 def keep_in_flight(engine, prompts: list[list[int]], params: list, batch: int) -> tuple[list, float]:
     """Run `prompts` (each with its params) keeping `batch` of them in flight: the requests and the wall time."""
     run = InFlight(engine, prompts, params, batch)
@@ -156,16 +171,9 @@ def interleaved(plain, medusa, prompts: list[list[int]], batch: int, max_tokens:
 
     params = request_params(len(prompts), max_tokens, greedy)
     runs = [InFlight(plain, prompts, params, batch), InFlight(medusa, prompts, params, batch)]
-    timed = [[0, 0.0], [0, 0.0]]  # [tokens, seconds] of each engine's turns
     forcing = medusa.decoding.choice.forcing(nodes) if nodes is not None else contextlib.nullcontext()
     with forcing, medusa_counts(medusa) as counts:
-        turn = 0
-        while all(r.top_up() for r in runs):
-            for i in (0, 1) if turn % 2 == 0 else (1, 0):
-                before = runs[i].generated()
-                timed[i][1] += runs[i].run(TURN_S, full=True)
-                timed[i][0] += runs[i].generated() - before
-            turn += 1
+        timed = in_turns(runs, full=True)
         for r in runs:
             r.run()
     results = [{"tokens_per_s": tokens / seconds, "outputs": [r.output_ids for r in run.reqs]}
@@ -190,15 +198,10 @@ def fresh_pair(path, prompts: list[list[int]], params: list, batch: int, max_seq
         t0 = time.perf_counter()
         engines.append(Engine.from_pretrained(path, medusa=None if medusa else False, device=device, max_seqs=max_seqs))
         startup.append(time.perf_counter() - t0)
-    runs, walls = [InFlight(e, prompts, params, batch) for e in engines], [0.0, 0.0]
-    turn = 0
-    while any(r.top_up() or r.engine.has_work() for r in runs):
-        for i in (0, 1) if turn % 2 == 0 else (1, 0):
-            walls[i] += runs[i].run(TURN_S)
-        turn += 1
+    runs = [InFlight(e, prompts, params, batch) for e in engines]
     out = []
-    for engine, run, wall, start in zip(engines, runs, walls, startup):
-        tokens, compiling = run.generated(), engine.compile_seconds or 0.0
+    for engine, run, (tokens, wall), start in zip(engines, runs, in_turns(runs, full=False), startup):
+        compiling = engine.compile_seconds or 0.0
         out.append({"engine": engine, "startup_s": start, "tokens_per_s": tokens / wall, "compile_s": compiling,
                     "decode_tokens_per_s": tokens / (wall - compiling), "outputs": [r.output_ids for r in run.reqs]})
     return out
