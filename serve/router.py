@@ -281,32 +281,39 @@ class RelayedResponse(Response):
     output: a stream's first event holds a token) costs the client nothing: the request goes
     again, to a live replica, up to `attempts` times. A stream lost after that ends as the
     protocol ends a failed stream, an error event then `[DONE]`, never a silent cut; a
-    non-streaming response has no "after that" (its one body is the whole answer)."""
+    non-streaming response has no "after that" (its one body is the whole answer). A replica
+    lost after the response's last body (before its call's end reached here) costs nothing
+    either: the client has its whole answer, and nothing more may be sent on its connection,
+    which by then carries its next request."""
 
     def __init__(self, call: Callable[[], DeploymentResponseGenerator], attempts: int = 3):
         self.call, self.attempts, self.background = call, attempts, None
 
     async def __call__(self, scope, receive, send) -> None:
         for attempt in range(1, self.attempts + 1):
-            messages, held, streaming = self.call(), [], False
+            messages, held, streaming, complete = self.call(), [], False, False
             try:
                 async for message in messages:
                     if held is None:
                         await send(message)
-                        continue
-                    held.append(message)
-                    if message["type"] == "http.response.start":
-                        streaming = dict(message.get("headers", [])).get(b"content-type", b"").startswith(
-                            b"text/event-stream")
-                    elif message.get("body") or not message.get("more_body", False):
-                        for m in held:  # the response starts: from here on it cannot go elsewhere
-                            await send(m)
-                        held = None
+                    else:
+                        held.append(message)
+                        if message["type"] == "http.response.start":
+                            streaming = dict(message.get("headers", [])).get(b"content-type", b"").startswith(
+                                b"text/event-stream")
+                        elif message.get("body") or not message.get("more_body", False):
+                            for m in held:  # the response starts: from here on it cannot go elsewhere
+                                await send(m)
+                            held = None
+                    complete = message["type"] == "http.response.body" and not message.get("more_body", False)
                 return
             except asyncio.CancelledError:
                 messages.cancel()
                 raise
             except Exception as e:  # the replica died mid-request, or no replica could take it (backpressure)
+                if complete:
+                    log.info("replica lost after the whole response was sent (%r): nothing to tell the client", e)
+                    return
                 if held is None:
                     log.warning("replica lost mid-response (%r): the stream ends with an error event", e)
                     if streaming:

@@ -6,16 +6,20 @@ on the replica that served it first and find it cached (which, with two replicas
 routing, would happen only by luck), a second document goes to the other replica, and what comes
 back through the relay (streamed or not, errors included) is what the replica answers.
 """
+import asyncio
 import json
+import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from ray.exceptions import ActorDiedError
 
 from serve.replica_routing import ServedPrompts
-from serve.router import PrefixMap, RoutingOptions, block_hashes, prompt_key
-from tests.conftest import serve_tiny_sala
+from serve.router import PrefixMap, RelayedResponse, RoutingOptions, block_hashes, prompt_key
+from tests.conftest import free_port, serve_tiny_sala
 
 
 def test_prefix_map_matches_whole_leading_blocks_per_replica():
@@ -135,6 +139,64 @@ def test_relay_passes_streams_and_errors_through(routed_server):
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
         assert http.get("/health").json() == {"status": "ok"}
         assert http.get("/no/such/path").status_code == 404
+
+
+class LostAfter:
+    """What a Serve handle's streaming call gives the relay (a DeploymentResponseGenerator): these
+    ASGI messages, then, once `lose` is set, ActorDiedError, as when the replica dies after its
+    last message but before the stream's end has reached the caller."""
+
+    def __init__(self, messages: list[dict], lose: asyncio.Event | None = None):
+        self.messages, self.lose, self.cancelled = messages, lose, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def __aiter__(self):
+        for m in self.messages:
+            yield m
+        if self.lose is not None:
+            await self.lose.wait()
+            raise ActorDiedError()
+
+
+def test_a_replica_lost_after_the_last_body_costs_the_connection_nothing():
+    """One keep-alive connection: a stream arrives whole, its client sends the next request on the
+    same connection, and only then does the first call's replica die. Nothing may follow a
+    response's last body (ASGI; uvicorn closes the connection on it, which drops the request now
+    on it), so the second answer arrives and the first is the replica's alone."""
+    stream = [{"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]},
+              {"type": "http.response.body", "body": b"data: x\n\n", "more_body": True},
+              {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}]
+    second_in = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/first":
+            await RelayedResponse(lambda: LostAfter(stream, lose=second_in))(scope, receive, send)
+        else:
+            second_in.set()
+            await asyncio.sleep(0.2)  # the first call's loss lands while this request is on the connection
+            await RelayedResponse(lambda: LostAfter([{"type": "http.response.start", "status": 200, "headers": []},
+                                                     {"type": "http.response.body", "body": b"ok"}]))(scope, receive, send)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                          limits=httpx.Limits(max_connections=1)) as http:
+            first = http.post("/first")
+            assert first.status_code == 200 and first.text == "data: x\n\ndata: [DONE]\n\n"
+            second = http.post("/second")
+            assert second.status_code == 200 and second.text == "ok"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def replica_metrics(http: httpx.Client) -> dict[str, dict]:
