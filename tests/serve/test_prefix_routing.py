@@ -147,10 +147,10 @@ class LostAfter:
     last message but before the stream's end has reached the caller."""
 
     def __init__(self, messages: list[dict], lose: asyncio.Event | None = None):
-        self.messages, self.lose, self.cancelled = messages, lose, False
+        self.messages, self.lose = messages, lose
 
     def cancel(self) -> None:
-        self.cancelled = True
+        """The relay's call when its client leaves: no replica runs this one to stop."""
 
     async def __aiter__(self):
         for m in self.messages:
@@ -187,6 +187,7 @@ def test_a_replica_lost_after_the_last_body_costs_the_connection_nothing():
     thread.start()
     try:
         while not server.started:
+            assert thread.is_alive(), "uvicorn stopped before it started serving"
             time.sleep(0.01)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                           limits=httpx.Limits(max_connections=1)) as http:
