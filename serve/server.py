@@ -99,7 +99,8 @@ class SalaServer:
         # Most of a replica's start-up, of which Serve itself says only that the replica "has taken
         # more than 30s to initialize": say what it is and how long it takes.
         serve_log = logging.getLogger("ray.serve")
-        serve_log.info("warming up the engine for %s: compiling its decode step, usually 15-60 s on CPU", path)
+        serve_log.info("warming up the engine for %s: compiling its steps, usually 15-60 s on CPU, or loading the "
+                       "graphs an earlier start compiled, a few seconds", path)
         start = time.perf_counter()
         engine.warmup()
         serve_log.info("engine warmed up in %.1f s; %s", time.perf_counter() - start, engine.decoding.describe())

@@ -108,7 +108,7 @@ class PlainDecoding:
         self.fast_decode = None
         if config.compiled:
             cuda = config.device.type == "cuda"
-            self.fast_decode = CudaGraphDecode(runner, config.max_seqs) if cuda else CompiledDecode(runner)
+            self.fast_decode = CudaGraphDecode(runner, config.max_seqs) if cuda else CompiledDecode(config, runner)
 
     def for_step(self, decoding: list[Request], prompts: bool = False) -> PlainDecoding:
         return self

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import types
 
 import torch
 from torch._inductor import cpp_builder
@@ -21,8 +20,12 @@ from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
 from sala.engine.context import StepContext, decode_padding
+from sala.engine.graph_store import GraphStore
 
 log = logging.getLogger(__name__)
+# What torch._dynamo.mark_dynamic sets on a tensor.
+DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides", "_specialize_on",
+             "_has_dynamo_dim_marking")
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -37,16 +40,18 @@ class CompiledStep:
     dynamic=True each of those was a symbol, passed into the graph and boxed on every call (~120
     in the greedy Medusa graph), and the kernels generic: measured 1.6 -> 1.2 ms a batch-1
     decode step, 3.1 -> 2.3 ms a one-node verify step. A compiled-in size that does change fails
-    the graph's input size checks (a RuntimeError before anything ran: `run` recompiles). After
-    the first call compiled, guards are not evaluated (skip_guard_eval_unsafe: over a hundred
+    the graph's input size checks (a RuntimeError before anything ran: `run` compiles another).
+    Guards are checked once, when a graph is compiled or loaded, never at a step (over a hundred
     parameter and pool tensors, ~0.5 ms a step): callers pad inputs so that one graph serves
-    every step. If compiling fails (no C++ compiler, an unsupported op, more graphs than
-    dynamo's recompile limit) the engine says so once and stays eager.
+    every step, and a step runs the graph compiled for the same sizes marked dynamic (a single
+    request's verify step, say, has its own). If compiling fails (no C++ compiler, an
+    unsupported op, a graph break, more graphs than dynamo's recompile limit) the engine says
+    so once and stays eager.
 
-    torch.compile keeps its graphs per code object, and a method's code is shared by every
-    instance: with guards skipped, a second engine in the process could run the first one's graph
-    (another pool, another cache layout), and every engine would share one recompile limit. So
-    each step compiles its own copy of the code."""
+    Graphs are compiled ahead of time (`aot_compile`: traced, compiled and guarded without
+    running), kept by this step alone (never shared with another engine's through torch's
+    per-code caches), and saved for the next process that compiles the same step for the same
+    engine (sala/engine/graph_store.py)."""
 
     # Inductor specialises size-1 dimensions (more graphs) and lays a size-1 batch out with
     # stride 0, which sends every GEMM to a slow non-BLAS path: batches and page tables are
@@ -54,13 +59,14 @@ class CompiledStep:
     MIN_ROWS = MIN_WIDTH = 2
     what = "the decode step"
 
-    def __init__(self):
-        code = CompiledStep._unflattened.__code__.replace()  # equal, but its own object
-        own = types.FunctionType(code, CompiledStep._unflattened.__globals__, "_unflattened")
-        self.fn = torch.compile(types.MethodType(own, self), dynamic=None, options={"cpp_wrapper": True})
+    def __init__(self, config):
+        self.fn = torch.compile(CompiledStep._unflattened, fullgraph=True, dynamic=None, options={"cpp_wrapper": True})
+        self.store = GraphStore(type(self).__qualname__, config)
+        self.graphs: dict[tuple, list] = {}  # by the dims marked dynamic: its graphs, the last one run first
+        self.made = 0  # graphs compiled or loaded
         self.spec: pytree.TreeSpec | None = None
         self.failed = False
-        self.seconds: float | None = None  # compiling took, recompiles included, once compiled
+        self.seconds: float | None = None  # compiling (or loading) took, once compiled
 
     @property
     def compiled(self) -> bool:
@@ -79,32 +85,70 @@ class CompiledStep:
         if self.failed:
             return None
         leaves, self.spec = pytree.tree_flatten(args)
-        if self.compiled:
+        symbols = tuple(dim for _, dim in dynamic)
+        graphs = self.graphs.setdefault(symbols, [])
+        for i, graph in enumerate(graphs):
             try:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self.fn(*leaves)
-            except RuntimeError:  # a graph that has to be recompiled: raised before anything ran
-                pass
-        for t, dim in dynamic:  # what compiling reads: else a width equal to some static size (kv heads: 2) is specialised on
-            torch._dynamo.mark_dynamic(t, dim)
+                out = self.launch(graph, leaves)
+            except RuntimeError:  # a compiled-in size that changed: raised before anything ran
+                continue
+            graphs.insert(0, graphs.pop(i))
+            return out
+        if self.made >= torch._dynamo.config.recompile_limit:
+            return self._fail(f"more than {self.made} graphs (torch._dynamo.config.recompile_limit)")
         t0 = time.perf_counter()
+        path = self.store.path(symbols, self.spec)
+        graph = self.store.load(path, self, leaves)  # its guards are checked on tensors not marked, as at a step
         try:
-            # Inductor looks for its C++ compiler only after tracing and generating the code (11 s of
-            # tiny-sala's first decode step): a machine without one is told at once (the search is cached).
-            cpp_builder.get_cpp_compiler()
-            # Not a silent eager run; and no "duck" sizes: two dynamic sizes equal when compiling (a
-            # tree's nodes and its paths, say) must stay two symbols, as guards are not checked later.
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), fx_config.patch(use_duck_shape=False):
-                out = self.fn(*leaves)
+            if graph is None:
+                # Inductor looks for its C++ compiler only after tracing and generating the code (11 s of
+                # tiny-sala's first decode step): a machine without one is told at once (the search is cached).
+                cpp_builder.get_cpp_compiler()
+                graph = self._compile(leaves, dynamic)
+                self.store.save(path, graph, self)
+                how = "compiled"
+            else:
+                how = "loaded the saved graph of"
+            graph.disable_guard_check()
+            out = self.launch(graph, leaves)
         except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
-            self.failed = True
-            log.warning("compiling %s failed, running eager: %s", self.what,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return None
+            return self._fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
         elapsed = time.perf_counter() - t0
-        log.info("%s %s in %.1f s", "recompiled" if self.compiled else "compiled", self.what, elapsed)
+        log.info("%s %s in %.1f s%s", how, self.what, elapsed, " (one more graph)" if self.made else "")
+        graphs.insert(0, graph)
+        self.made += 1
         self.seconds = (self.seconds or 0.0) + elapsed
         return out
+
+    def launch(self, graph, leaves: list):
+        """One graph run on a step's flattened arguments: a step's only call into compiled code."""
+        return graph(self, *leaves)
+
+    def _compile(self, leaves: list, dynamic: list[tuple[torch.Tensor, int]]):
+        """A graph of step(*leaves) with the `dynamic` sizes symbols, compiled without running."""
+        for t, dim in dynamic:  # what compiling reads: else a width equal to some static size (kv heads: 2) is specialised on
+            torch._dynamo.mark_dynamic(t, dim)
+        try:
+            # No "duck" sizes: two dynamic sizes equal when compiling (a tree's nodes and its paths,
+            # say) must stay two symbols, as guards are not checked later.
+            with fx_config.patch(use_duck_shape=False):
+                return self.fn.aot_compile(((self, *leaves), {}))
+        finally:
+            # The marks go with the compiling: a tensor that lives on (a tree's buffers) would
+            # otherwise carry them into a saved graph's guard check, which refuses marked tensors.
+            for t, _ in dynamic:
+                for mark in DIM_MARKS:
+                    if hasattr(t, mark):
+                        delattr(t, mark)
+
+    def __getstate__(self) -> dict:
+        """What a graph's guards keep of the step (they pickle the objects they read): never its
+        graphs, whose guard managers do not pickle."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("fn", "graphs", "store")}
+
+    def _fail(self, why: str) -> None:
+        self.failed = True
+        log.warning("compiling %s failed, running eager: %s", self.what, why)
 
 
 def rows_dynamic(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
@@ -115,8 +159,8 @@ def rows_dynamic(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
 class CompiledDecode(CompiledStep):
     """The decode-only step: batch size and page-table width dynamic, one graph for every step."""
 
-    def __init__(self, runner):
-        super().__init__()
+    def __init__(self, config, runner):
+        super().__init__(config)
         self.runner = runner
 
     def step(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:

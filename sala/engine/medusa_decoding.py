@@ -93,11 +93,11 @@ class MedusaDecoding:
         # miscompiled the greedy verify graph's commit of BF16 node states (states off by ~25 after one
         # step; the same graph through aot_eager is exact).
         shared = compiled and all(s.dtype == torch.float32 for s in cache.states.values())
-        graphs = (CompiledTreeVerify(model), CompiledGreedyVerify(self), CompiledSampledVerify(self)) if shared else None
+        graphs = (CompiledTreeVerify(config, model), CompiledGreedyVerify(self), CompiledSampledVerify(self)) if shared else None
         self.verifies = {}
         for n in sizes:
             tree = build_tree(order[:n], heads.config.topk, heads.config.num_heads).to(cache.device)
-            own = (CompiledTreeVerify(model), None, None) if compiled and not shared else None
+            own = (CompiledTreeVerify(config, model), None, None) if compiled and not shared else None
             self.verifies[n] = TreeVerify(self, tree, graphs or own, levels=not shared)
         fixed = None if config.medusa_nodes == "auto" else config.medusa_nodes
         self.costs = StepCosts(cost_key(config, heads.config, param.dtype)) if fixed is None else None
@@ -379,8 +379,8 @@ class CompiledTreeVerify(CompiledStep):
     # committed width static.
     MIN_ROWS = 1
 
-    def __init__(self, model):
-        super().__init__()
+    def __init__(self, config: EngineConfig, model):
+        super().__init__(config)
         self.model = model
 
     def step(self, tokens: torch.Tensor, ctx: StepContext):
@@ -418,7 +418,7 @@ class CompiledGreedyVerify(CompiledTreeVerify):
     what = "the greedy tree-verify step"
 
     def __init__(self, medusa: MedusaDecoding):
-        super().__init__(medusa.model)
+        super().__init__(medusa.config, medusa.model)
         self.medusa = medusa
 
     def step(self, indices: TreeIndices, tokens: torch.Tensor, ctx: StepContext, room: torch.Tensor):

@@ -237,7 +237,8 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
         assert samples[("sala_spec_tree_nodes", *key)] == t.nodes == medusa.choice.best(rates)
         assert samples[("sala_spec_expected_speedup", *key)] == pytest.approx(t.speedup) == rates[t.nodes] / rates[0]
     calls = []
-    fast.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(fast.fn)  # a[0]: parents [T]
+    fast.launch = (lambda launch: lambda graph, leaves: calls.append(leaves[0].shape[0]) or launch(graph, leaves))(
+        fast.launch)  # leaves[0]: parents [T]
     for nodes in (1, 4, 63):
         with medusa.choice.forcing(nodes):
             out = engine.generate(prompts[:1], params) + engine.generate(prompts[1:6], params)
@@ -249,7 +250,7 @@ def test_compiled_verify_step_equals_eager_greedy_for_every_tree(base, heads, pr
     # with a top-p request accepts eagerly.
     graph = medusa.verifies[1].fast_sampled
     assert all(v.fast_sampled is graph for v in medusa.verifies.values()) and graph.compiled and not graph.failed
-    graph.fn = (lambda fn: lambda *a: calls.append(a[0].shape[0]) or fn(*a))(graph.fn)
+    graph.launch = (lambda launch: lambda g, leaves: calls.append(leaves[0].shape[0]) or launch(g, leaves))(graph.launch)
     sampled = [SamplingParams(max_tokens=N_NEW, temperature=t, top_p=p, seed=i, ignore_eos=True)
                for i, (t, p) in enumerate([(0.8, 1), (1.0, 1), (0, 1), (0.7, 1), (0.9, 0.8), (0.6, 1)])]
     for nodes in (1, 4, 63):
