@@ -49,9 +49,8 @@ class CompiledStep:
     so once and stays eager.
 
     Graphs are compiled ahead of time (`aot_compile`: traced, compiled and guarded without
-    running), kept by this step alone (never shared with another engine's through torch's
-    per-code caches), and saved for the next process that compiles the same step for the same
-    engine (sala/engine/graph_store.py)."""
+    running), kept by this step alone, and saved for the next process that compiles the same step
+    for the same engine (sala/engine/graph_store.py)."""
 
     # Inductor specialises size-1 dimensions (more graphs) and lays a size-1 batch out with
     # stride 0, which sends every GEMM to a slow non-BLAS path: batches and page tables are
@@ -130,8 +129,11 @@ class CompiledStep:
             torch._dynamo.mark_dynamic(t, dim)
         try:
             # No "duck" sizes: two dynamic sizes equal when compiling (a tree's nodes and its paths,
-            # say) must stay two symbols, as guards are not checked later.
-            with fx_config.patch(use_duck_shape=False):
+            # say) must stay two symbols, as guards are not checked later. No automatic dynamic
+            # sizes either: dynamo would make a size symbolic because it saw another one before
+            # (another engine's pool, compiled earlier in the process), and the graph would serve
+            # engines whose sizes it was not compiled for.
+            with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 return self.fn.aot_compile(((self, *leaves), {}))
         finally:
             # The marks go with the compiling: a tensor that lives on (a tree's buffers) would
