@@ -5,7 +5,9 @@ hold the code: on tiny-sala the decode step takes 5.3 s to compile from warm cac
 to load once traced. So each graph a `CompiledStep` (sala/engine/graphs.py) compiles, in
 torch.compile's ahead-of-time form (the traced bytecode, its guards and inductor's code), is
 saved here, and the next process that compiles the same step for the same engine loads it: a
-second start, a restarted replica, every batch actor after the first. A file's path is its key:
+second start, a restarted replica, every batch actor after the first. Compiling ahead of time
+does not read AOTAutograd's cache, so a step with nothing saved compiles as from cold (15-16 s
+for tiny-sala's decode step), once per key. A file's path is its key:
 
 - its directory: the step, the engine settings a step compiles in (the pools' shapes, the cache
   plan, typical acceptance's constants), the model's config, the device, torch's thread count
@@ -65,6 +67,7 @@ def static_parts(value) -> object:
 
 
 def spec_parts(spec: pytree.TreeSpec) -> list:
+    """A pytree's structure with its static parts (`static_parts` of each node's context)."""
     return [spec.type.__qualname__ if spec.type else None, static_parts(spec.context),
             [spec_parts(child) for child in spec.children()]]
 
