@@ -72,6 +72,11 @@ def spec_parts(spec: pytree.TreeSpec) -> list:
             [spec_parts(child) for child in spec.children()]]
 
 
+def reason(e: Exception) -> str:
+    """An exception as a log line says it: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+
+
 class GraphStore:
     """The saved graphs of one step of one engine."""
 
@@ -102,8 +107,7 @@ class GraphStore:
                 failed = graph._artifacts.guard_manager.check_verbose(graph.prepare_f_locals(step, *leaves))
                 raise ValueError(f"its guards fail on this engine's step: {failed.verbose_code_parts[0]}")
         except Exception as e:  # a file of another torch, a torn or foreign file: compiling again is the cure
-            log.warning("ignoring the compiled graph in %s (%s: %s); compiling again", path, type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
+            log.warning("ignoring the compiled graph in %s (%s); compiling again", path, reason(e))
             return None
         return graph
 
@@ -113,5 +117,4 @@ class GraphStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             graph.save_compiled_function(str(path), external_data={"step": step})
         except Exception as e:
-            log.warning("could not save the compiled graph to %s: %s: %s", path, type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
+            log.warning("could not save the compiled graph to %s: %s", path, reason(e))

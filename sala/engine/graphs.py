@@ -62,7 +62,6 @@ class CompiledStep:
         self.fn = torch.compile(CompiledStep._unflattened, fullgraph=True, dynamic=None, options={"cpp_wrapper": True})
         self.store = GraphStore(type(self).__qualname__, config)
         self.graphs: dict[tuple, list] = {}  # by the dims marked dynamic: its graphs, the last one run first
-        self.made = 0  # graphs compiled or loaded
         self.spec: pytree.TreeSpec | None = None
         self.failed = False
         self.seconds: float | None = None  # compiling (or loading) took, once compiled
@@ -93,8 +92,9 @@ class CompiledStep:
                 continue
             graphs.insert(0, graphs.pop(i))
             return out
-        if self.made >= torch._dynamo.config.recompile_limit:
-            return self._fail(f"more than {self.made} graphs (torch._dynamo.config.recompile_limit)")
+        made = sum(map(len, self.graphs.values()))  # graphs compiled or loaded
+        if made >= torch._dynamo.config.recompile_limit:
+            return self._fail(f"more than {made} graphs (torch._dynamo.config.recompile_limit)")
         t0 = time.perf_counter()
         path = self.store.path(symbols, self.spec)
         graph = self.store.load(path, self, leaves)  # its guards are checked on tensors not marked, as at a step
@@ -113,9 +113,8 @@ class CompiledStep:
         except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
             return self._fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
         elapsed = time.perf_counter() - t0
-        log.info("%s %s in %.1f s%s", how, self.what, elapsed, " (one more graph)" if self.made else "")
+        log.info("%s %s in %.1f s%s", how, self.what, elapsed, " (one more graph)" if made else "")
         graphs.insert(0, graph)
-        self.made += 1
         self.seconds = (self.seconds or 0.0) + elapsed
         return out
 
