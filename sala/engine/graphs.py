@@ -20,7 +20,7 @@ from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
 from sala.engine.context import StepContext, decode_padding
-from sala.engine.graph_store import GraphStore
+from sala.engine.graph_store import GraphStore, reason
 
 log = logging.getLogger(__name__)
 # What torch._dynamo.mark_dynamic sets on a tensor.
@@ -111,7 +111,7 @@ class CompiledStep:
             graph.disable_guard_check()
             out = self.launch(graph, leaves)
         except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
-            return self._fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return self._fail(reason(e))
         elapsed = time.perf_counter() - t0
         log.info("%s %s in %.1f s%s", how, self.what, elapsed, " (one more graph)" if made else "")
         graphs.insert(0, graph)
