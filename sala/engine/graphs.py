@@ -19,6 +19,7 @@ from torch._inductor import cpp_builder
 from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
+from sala import inductor_isa
 from sala.engine.context import StepContext, decode_padding
 from sala.engine.graph_store import GraphStore, reason
 
@@ -97,6 +98,7 @@ class CompiledStep:
             return self._fail(f"more than {made} graphs (torch._dynamo.config.recompile_limit)")
         t0 = time.perf_counter()
         path = self.store.path(symbols, self.spec)
+        inductor_isa.use_known()
         graph = self.store.load(path, self, leaves)  # its guards are checked on tensors not marked, as at a step
         try:
             if graph is None:
@@ -112,6 +114,7 @@ class CompiledStep:
             out = self.launch(graph, leaves)
         except Exception as e:  # compiling happens before the step writes anything, so eager can redo it
             return self._fail(reason(e))
+        inductor_isa.remember()
         elapsed = time.perf_counter() - t0
         log.info("%s %s in %.1f s%s", how, self.what, elapsed, " (one more graph)" if made else "")
         graphs.insert(0, graph)
