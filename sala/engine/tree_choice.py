@@ -21,8 +21,12 @@ from), or measured at the first decode steps of the class (plain first, then the
 first, until one does worse than STOP_BELOW the best so far: a larger tree costs more still;
 weighed at every step, so the walk goes on where the estimates later bring that tree within
 STOP_BELOW); `Engine.warmup` runs those steps up front. Then EXPLORE_STEPS steps in every
-EXPLORE_EVERY take the runner-up, every other time plain decoding where a tree is chosen, so
-that the estimates the choice turns on stay current.
+EXPLORE_EVERY visit the other timed trees in turn, every other time plain decoding where a tree
+is chosen, so that every estimate is measured again as the machine and the text change: one
+timed in a slow stretch (or read from the disk cache) and never the runner-up would otherwise
+never be, however good the tree (read at 4.87 ms from the disk cache beside the 12-node tree's
+4.11, the 4-node tree was not verified once in three rounds of batch-1 greedy decoding on the
+2-core VM; verified at every step it ran 1.31-1.53x plain decoding, the choice 1.32-1.41x).
 The first SETTLE steps after a change of candidate are not measured: a plain step right after
 verify steps runs slower (the verify's code and data displace it), and a verify right after
 plain steps reads drafts made tokens earlier (medusa_decoding.tree_drafts).
@@ -52,6 +56,11 @@ STOP_BELOW = 0.85  # timing a class stops at the first tree expected below this 
 EXPLORE_EVERY, EXPLORE_STEPS = 512, SETTLE + TIMED
 WEIGHT = 1 / 16  # of a new step in a running estimate
 ACCEPT_WEIGHT = 1 / 256  # of a new verify step in a running acceptance: one step keeps 0 to depth drafts
+# The heads' validation figure counts as this many verify steps of a kind's acceptance where none was
+# measured: from its first few steps alone (a step keeps anything from no draft to a whole path) a
+# class has gone to plain decoding until a visit, half the steps of a run's first round of
+# bench/medusa.py at batch 1 on the 2-core VM.
+PRIOR_STEPS = 16
 PLAIN_MARGIN = 1.1  # a tree is chosen over plain decoding where expected at this many times its tokens/s or more
 OUTLIER = 3.0  # a step past this many times the estimate is a pause (a recompile, the collector), not its cost
 
@@ -124,9 +133,10 @@ class TreeChoice:
             return untimed
         best = self.best(rates)
         if self.steps % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS and len(rates) > 1:
-            if best and self.steps // EXPLORE_EVERY % 2:
+            visit, trees = self.steps // EXPLORE_EVERY, [n for n in rates if n and n != best]
+            if not trees or best and visit % 2:
                 return 0  # plain decoding, what every tree is weighed against, every other time
-            return max((n for n in rates if n != best), key=rates.get)  # the runner-up
+            return trees[(visit // 2 if best else visit) % len(trees)]  # the other timed trees in turn
         return best
 
     @staticmethod
@@ -191,7 +201,7 @@ class TreeChoice:
         if self._measured():
             kind, _, nodes = self.current
             scale = accepted / (requests * self._expected_drafts(nodes))
-            self.acceptance.setdefault(kind, Running(weight=ACCEPT_WEIGHT)).add(scale)
+            self.acceptance.setdefault(kind, Running(1.0, PRIOR_STEPS, ACCEPT_WEIGHT)).add(scale)
 
     def step_ms(self) -> list[list]:
         """[kind, size class, nodes, ms] of each timed candidate: what the disk cache keeps, with `kept`."""

@@ -333,17 +333,18 @@ def test_tree_choice_times_plain_then_trees_smallest_first_and_never_verifies_an
     """Untimed, a class decodes plainly; then each tree, smallest first, takes TIMED measured steps
     (the SETTLE first after a change are not measured) until one does worse than STOP_BELOW of the best;
     then every step takes the best timed candidate by accept length / ms, but EXPLORE_STEPS in
-    every EXPLORE_EVERY, which take the runner-up and plain decoding in turns. The 16-node tree,
-    past the stop, is never verified."""
+    every EXPLORE_EVERY, which visit plain decoding and the other timed trees (each in turn) in
+    turns. The 16-node tree, past the stop, is never verified."""
     from sala.engine.tree_choice import EXPLORE_EVERY, EXPLORE_STEPS, SETTLE, TIMED, TreeChoice
 
     choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None)
-    taken = run_choice(choice, MS, 3 * EXPLORE_EVERY)
+    taken = run_choice(choice, MS, 9 * EXPLORE_EVERY)
     walk = [n for n in (0, 1, 2, 4, 8) for _ in range(SETTLE + TIMED)]
     assert taken[: len(walk)] == walk and 16 not in taken
-    explored = [(i + 1) // EXPLORE_EVERY % 2 if (i + 1) % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS else None
-                for i in range(len(walk), len(taken))]
-    assert taken[len(walk):] == [4 if e is None else 0 if e else 2 for e in explored] and {0, 1} <= set(explored)
+    visits = [(i + 1) // EXPLORE_EVERY if (i + 1) % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS else None
+              for i in range(len(walk), len(taken))]
+    assert taken[len(walk):] == [4 if v is None else 0 if v % 2 else [1, 2, 8][v // 2 % 3] for v in visits]
+    assert {v // 2 % 3 for v in visits if v is not None and v % 2 == 0} == {0, 1, 2}
     assert sorted(nodes for _, _, nodes, _ in choice.step_ms()) == [0, 1, 2, 4, 8]
     assert [(r.batch, r.kind, r.nodes) for r in choice.table()] == [(1, GREEDY, 4)]
     assert choice.table()[0].speedup == pytest.approx(2.1 / 1.5)
@@ -393,6 +394,35 @@ def test_tree_choice_follows_the_steps_it_takes():
     assert other.acceptance[TEMPERED].mean == pytest.approx(1.2 * 5 / 6)
     # Plain decoding is taken unless a tree is expected at PLAIN_MARGIN times its tokens/s.
     assert TreeChoice.best({0: 1.0, 4: 1.05}) == 0 and TreeChoice.best({0: 1.0, 4: 1.15}) == 4
+
+
+def test_tree_choice_measures_every_timed_tree_again():
+    """A tree whose time was read too high (from the disk cache, or timed in a slow stretch), and
+    that is not the runner-up, is visited in turn with the others: its estimate comes down to what
+    its steps take, and the choice goes to it. Visited only as the runner-up, it never would be."""
+    from sala.engine.tree_choice import EXPLORE_EVERY, TreeChoice
+
+    cheap = {0: 1.0, 1: 1.2, 2: 1.3, 4: 1.1, 8: 2.2}  # the 4-node tree: 1.91 tokens/ms, the 2-node one 1.38
+    cached = cheap | {4: 3.0}  # as read from the cache: 0.7 tokens/ms, below the 1- and 8-node trees
+    choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None,
+                        step_ms=[[GREEDY, 1, nodes, ms] for nodes, ms in cached.items()])
+    taken = run_choice(choice, cheap, 24 * EXPLORE_EVERY)
+    assert taken[0] == 2 and taken[-1] == by_hand(choice, cheap) == 4
+    assert choice.ms[GREEDY, 1, 4].mean == pytest.approx(cheap[4], rel=0.1)
+
+
+def test_tree_choice_starts_from_the_heads_acceptance():
+    """Where no acceptance was measured, the heads' validation figure counts as PRIOR_STEPS verify
+    steps: the first steps that keep nothing lower it, toward smaller trees, and the choice stays
+    with a tree. From those steps alone it would go to plain decoding until a visit."""
+    from sala.engine.tree_choice import PRIOR_STEPS, SETTLE, TreeChoice
+
+    choice = TreeChoice(prior=dict(PRIOR), max_batch=None, fixed=None,
+                        step_ms=[[GREEDY, 1, nodes, ms] for nodes, ms in MS.items()])
+    taken = run_choice(choice, MS, SETTLE + 4, kept=0.0)
+    assert taken[0] == 4 and 0 not in taken
+    [(kind, scale, steps)] = choice.kept()  # the figure's steps at 1, the measured ones at 0
+    assert kind == GREEDY and steps > PRIOR_STEPS and scale == pytest.approx(PRIOR_STEPS / steps)
 
 
 def by_hand(choice, ms: dict[int, float]) -> int:
