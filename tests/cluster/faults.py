@@ -119,22 +119,28 @@ def parts_written(out: Path) -> int:
 
 # ---------------------------------------------------------------------------- serving under load
 async def one_request(client, url: str, i: int, timeout: float) -> dict:
-    """Request i of a mixed load: chat or completions, streamed or not; what the client saw."""
+    """Request i of a mixed load: chat or completions, streamed or not; what the client saw. One
+    not over in `timeout` seconds is cut there, as a hang (httpx's timeout bounds each read, so a
+    stream whose events trickle would otherwise never end)."""
     stream, chat = i % 2 == 0, i % 3 == 0
     prompt = f"{'The for statement' if i % 4 else 'The with statement'} number {i % 7}"
     body = {"model": "tiny-sala", "max_tokens": 24, "temperature": 0, "stream": stream}
     body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     seen = {"i": i, "stream": stream, "status": None, "events": [], "error": None, "replica": None}
-    try:
+
+    async def exchange() -> None:
         async with client.stream("POST", url + path, json=body, timeout=timeout) as r:
             seen["status"], seen["replica"] = r.status_code, r.headers.get("x-sala-replica")
             if not stream:
                 seen["body"] = json.loads(await r.aread())
-                return seen
+                return
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     seen["events"].append(line[6:])
+
+    try:
+        await asyncio.wait_for(exchange(), timeout)
     except Exception as e:  # a cut stream, a refused connection, a timeout
         seen["error"] = repr(e)
     return seen
@@ -176,12 +182,15 @@ def load_through(url: str, fault, recovered, workers: int = 6, timeout: float = 
     state = {"fault_at": None, "recovered_at": None}
     stop = threading.Event()
     out = []
+    awaiting = {}  # client -> (its request in flight, when it was sent)
+    ended = []  # what ended the clients' thread, if anything did
 
     async def client_loop(w: int):
         async with httpx.AsyncClient() as client:
             i = w
             while not stop.is_set():
                 t = time.monotonic()
+                awaiting[w] = (i, t)
                 seen = await one_request(client, url, i, timeout)
                 seen["sent"], seen["took"] = t, time.monotonic() - t
                 seen["verdict"] = verdict(seen, timeout)
@@ -191,12 +200,22 @@ def load_through(url: str, fault, recovered, workers: int = 6, timeout: float = 
     async def clients():
         await asyncio.gather(*(client_loop(w) for w in range(workers)))
 
-    load = threading.Thread(target=asyncio.run, args=(clients(),), daemon=True)
+    def run_clients():
+        try:
+            asyncio.run(clients())
+        except BaseException as e:
+            ended.append(repr(e))
+            raise
+
+    def check_load() -> None:
+        if not load.is_alive():
+            raise AssertionError(f"the load stopped: {ended}")
+
+    load = threading.Thread(target=run_clients, daemon=True)
     load.start()
     try:
         while len(out) < 2 * workers:
-            if not load.is_alive():
-                raise AssertionError("the load stopped")
+            check_load()
             time.sleep(0.05)
         state["fault_at"] = time.monotonic()
         fault()  # here: starting and stopping nodes installs signal handlers, which only the main thread may
@@ -206,9 +225,13 @@ def load_through(url: str, fault, recovered, workers: int = 6, timeout: float = 
                 raise AssertionError("no recovery in 240 s")
             time.sleep(0.5)
         state["recovered_at"] = time.monotonic()
-        while sum(s["sent"] > state["recovered_at"] for s in list(out)) < workers:
-            if time.monotonic() > state["recovered_at"] + 2 * timeout:
-                raise AssertionError("no answers after the recovery")
+        # Each request ends within `timeout`: the one in flight at the recovery, then one sent after it.
+        while len(answered := {s["i"] % workers for s in list(out) if s["sent"] > state["recovered_at"]}) < workers:
+            check_load()
+            if time.monotonic() > state["recovered_at"] + 2 * timeout + 10:
+                now = time.monotonic()
+                raise AssertionError("no answer after the recovery for clients (request, seconds in flight): "
+                                     f"{ {w: (i, round(now - t, 1)) for w, (i, t) in awaiting.items() if w not in answered} }")
             time.sleep(0.1)
     finally:
         stop.set()
