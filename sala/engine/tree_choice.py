@@ -175,8 +175,12 @@ class TreeChoice:
         """Tokens a request's step of the candidate is expected to yield now."""
         if not nodes:
             return 1.0
-        scale = est.mean if (est := self.acceptance.get(kind)) else 1.0
-        return 1 + scale * self._expected_drafts(nodes)
+        return 1 + self._acceptance(kind).mean * self._expected_drafts(nodes)
+
+    def _acceptance(self, kind: str) -> Running:
+        """The kind's acceptance scale; before its steps are measured, the heads' figures as they are
+        (1.0), counted as PRIOR_STEPS steps."""
+        return self.acceptance.get(kind) or Running(mean=1.0, count=PRIOR_STEPS, weight=ACCEPT_WEIGHT)
 
     def _expected_drafts(self, nodes: int) -> float:
         """Drafts a request's verify step of the candidate keeps by the heads' validation acceptance
@@ -201,7 +205,8 @@ class TreeChoice:
         if self._measured():
             kind, _, nodes = self.current
             scale = accepted / (requests * self._expected_drafts(nodes))
-            self.acceptance.setdefault(kind, Running(1.0, PRIOR_STEPS, ACCEPT_WEIGHT)).add(scale)
+            self.acceptance[kind] = est = self._acceptance(kind)
+            est.add(scale)
 
     def step_ms(self) -> list[list]:
         """[kind, size class, nodes, ms] of each timed candidate: what the disk cache keeps, with `kept`."""
