@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -253,6 +254,22 @@ def two_replicas(env: dict, model, *args: str) -> str:
     finally:
         server.proc.send_signal(signal.SIGTERM)
         server.finish(timeout=60)
+
+
+@contextlib.contextmanager
+def serve_logs_on_failure(cluster, lines: int = 25):
+    """An AssertionError raised inside says, after its own message, the last `lines` lines of each
+    Serve log of the cluster's session (controller, proxy, ingress, replicas; the lines of requests
+    answered well left out): the server's side of a failed serving test."""
+    try:
+        yield
+    except AssertionError as e:
+        answered = re.compile(r" -- (CALL \S+ OK|[A-Z]+ \S+ 2\d\d) ")
+        tails = []
+        for log in sorted((Path(cluster.head_node.get_logs_dir_path()) / "serve").glob("*.log")):
+            kept = [line for line in log.read_text(errors="replace").splitlines() if not answered.search(line)]
+            tails.append(f"--- {log.name}\n" + "\n".join(kept[-lines:]))
+        raise AssertionError(f"{e}\n" + "\n".join(tails)) from e
 
 
 def replica_dies(cluster, url: str, fault: str) -> dict:

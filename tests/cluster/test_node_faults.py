@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.faults import Job, add_node, parts_written, processes, replica_dies, serving_replicas, two_replicas
+from tests.cluster.faults import (
+    Job,
+    add_node,
+    parts_written,
+    processes,
+    replica_dies,
+    serve_logs_on_failure,
+    serving_replicas,
+    two_replicas,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -125,22 +134,24 @@ def test_serving_loses_no_request_when_a_replica_dies(cluster, server, fault):
     while the replica is down; the new replica takes requests; after recovery, no error at all."""
     import httpx
 
-    assert len(serving_replicas(server)) == 2 and len(processes(cluster, "ServeReplica:sala:SalaServer")) == 2
-    run = replica_dies(cluster, server, fault)
-    seen, first = run["seen"], run["first"]
-    verdicts = [s["verdict"] for s in seen]
-    print({v: verdicts.count(v) for v in set(verdicts)}, f"recovered in {run['recovered_at'] - run['fault_at']:.1f} s")
-    bad = [(s["i"], s["status"], s["error"], s["events"][-2:]) for s in seen if s["verdict"] not in ("ok", "error-event")]
-    assert not bad, bad
-    after = [s for s in seen if s["sent"] > run["recovered_at"]]
-    assert after and all(s["verdict"] == "ok" for s in after)
-    # While it is down, the app says it can serve, and its metrics are the live replica's alone.
-    down = run["down"]
-    assert down["health"] == 200 and len(down["replicas"]) == 1 and down["replicas"] < first
-    # The router takes the new replica back: prompts it has seen nowhere go to the replica holding least.
-    # (Longer than a routing block, each its own: the load's prompts are shorter, so both replicas
-    # hold no block, and a tie goes to the replica beside the ingress.)
-    fresh = [httpx.post(server + "/v1/completions", json={"model": "tiny-sala", "prompt": f"{i} " + "the class " * 40,
-                                                          "max_tokens": 4}, timeout=60) for i in range(4)]
-    assert all(r.status_code == 200 for r in fresh)
-    assert {r.headers["x-sala-replica"] for r in fresh} - first, "the restarted replica took no request after recovery"
+    with serve_logs_on_failure(cluster):
+        assert len(serving_replicas(server)) == 2 and len(processes(cluster, "ServeReplica:sala:SalaServer")) == 2
+        run = replica_dies(cluster, server, fault)
+        seen, first = run["seen"], run["first"]
+        verdicts = [s["verdict"] for s in seen]
+        print({v: verdicts.count(v) for v in set(verdicts)}, f"recovered in {run['recovered_at'] - run['fault_at']:.1f} s")
+        bad = [(s["i"], s["verdict"], s["replica"], s["status"], s["error"], s["events"][-2:]) for s in seen
+               if s["verdict"] not in ("ok", "error-event")]
+        assert not bad, bad
+        after = [s for s in seen if s["sent"] > run["recovered_at"]]
+        assert after and all(s["verdict"] == "ok" for s in after), [(s["i"], s["verdict"], s["replica"]) for s in after]
+        # While it is down, the app says it can serve, and its metrics are the live replica's alone.
+        down = run["down"]
+        assert down["health"] == 200 and len(down["replicas"]) == 1 and down["replicas"] < first
+        # The router takes the new replica back: prompts it has seen nowhere go to the replica holding least.
+        # (Longer than a routing block, each its own: the load's prompts are shorter, so both replicas
+        # hold no block, and a tie goes to the replica beside the ingress.)
+        fresh = [httpx.post(server + "/v1/completions", json={"model": "tiny-sala", "prompt": f"{i} " + "the class " * 40,
+                                                              "max_tokens": 4}, timeout=60) for i in range(4)]
+        assert all(r.status_code == 200 for r in fresh)
+        assert {r.headers["x-sala-replica"] for r in fresh} - first, "the restarted replica took no request after recovery"
