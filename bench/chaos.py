@@ -7,9 +7,9 @@ undisturbed ones measured in the same run.
   removed; the driver SIGKILLed and the same command run again. Rows lost, duplicated, differing
   from the undisturbed run (text, finish reason, token counts, error), and rows skipped on resume.
 - serving (two replicas, prefix routing, a mixed streaming and non-streaming load from six
-  clients): a replica's process SIGKILLed; its node removed. Requests failed, streams cut or
-  ended by an error event, hung (past the clients' 60 s timeout), errors after recovery, and
-  seconds from the fault until two replicas serve again.
+  clients): a replica's process SIGKILLed; its node removed. Requests failed, streams cut,
+  ended by an error event or malformed (an event that is not JSON), hung (past the clients' 60 s
+  timeout), errors after recovery, and seconds from the fault until two replicas serve again.
 
 Prints a table per scenario and one JSON line.
 
@@ -118,7 +118,7 @@ def serve_faults(cluster, env, model) -> list[dict]:
         for fault in ("replica killed", "node removed"):
             run = replica_dies(cluster, url, fault)
             seen = run["seen"]
-            count = {v: sum(s["verdict"] == v for s in seen) for v in ("ok", "error-event", "failed", "cut", "hung")}
+            count = {v: sum(s["verdict"] == v for s in seen) for v in ("ok", "error-event", "malformed", "failed", "cut", "hung")}
             after = [s for s in seen if s["sent"] > run["recovered_at"]]
             results.append({"scenario": f"serve: {fault}", "requests": len(seen), "streams": sum(s["stream"] for s in seen),
                             **count, "errors_after_recovery": sum(s["verdict"] != "ok" for s in after),

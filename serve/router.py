@@ -284,14 +284,15 @@ class RelayedResponse(Response):
     non-streaming response has no "after that" (its one body is the whole answer). A replica
     lost after the response's last body (before its call's end reached here) costs nothing
     either: the client has its whole answer, and nothing more may be sent on its connection,
-    which by then carries its next request."""
+    which by then carries its next request. Nor does one lost after a stream's `[DONE]` (a body of
+    its own, the empty last body still to come): the response ends there, nothing after `[DONE]`."""
 
     def __init__(self, call: Callable[[], DeploymentResponseGenerator], attempts: int = 3):
         self.call, self.attempts, self.background = call, attempts, None
 
     async def __call__(self, scope, receive, send) -> None:
         for attempt in range(1, self.attempts + 1):
-            messages, held, streaming, complete = self.call(), [], False, False
+            messages, held, streaming, complete, done = self.call(), [], False, False, False
             try:
                 async for message in messages:
                     if held is None:
@@ -306,6 +307,7 @@ class RelayedResponse(Response):
                                 await send(m)
                             held = None
                     complete = message["type"] == "http.response.body" and not message.get("more_body", False)
+                    done = streaming and message.get("body", b"").endswith(STREAM_END)
                 return
             except asyncio.CancelledError:
                 messages.cancel()
@@ -313,6 +315,10 @@ class RelayedResponse(Response):
             except Exception as e:  # the replica died mid-request, or no replica could take it (backpressure)
                 if complete:
                     log.info("replica lost after the whole response was sent (%r): nothing to tell the client", e)
+                    return
+                if done:
+                    log.info("replica lost after the stream's [DONE] (%r): the response ends there", e)
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
                 if held is None:
                     log.warning("replica lost mid-response (%r): the stream ends with an error event", e)
@@ -328,11 +334,14 @@ class RelayedResponse(Response):
                                code="unavailable").response()(scope, receive, send)
 
 
+STREAM_END = b"data: [DONE]\n\n"  # a stream's last event (serve/http.py events)
+
+
 def lost_stream_events(e: Exception) -> bytes:
     """The end of a stream whose replica was lost: OpenAI's in-band error event, then `[DONE]`."""
     body = error_body(f"the replica serving this stream was lost ({type(e).__name__}); the output is incomplete",
                       "server_error", code="replica_lost")
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {json.dumps(body)}\n\n".encode() + STREAM_END
 
 
 # On the head node: every request passes through the ingress, so it goes where the cluster's

@@ -148,7 +148,8 @@ async def one_request(client, url: str, i: int, timeout: float) -> dict:
 
 
 def verdict(seen: dict, timeout: float) -> str:
-    """ok | error-event (a stream ended by an in-band error, then [DONE]) | failed | cut | hung."""
+    """ok | error-event (a stream ended by an in-band error, then [DONE]) | malformed (a stream with
+    an event that is not JSON: a second [DONE], a torn event) | failed | cut | hung."""
     if seen["took"] >= timeout:
         return "hung"
     if seen["error"]:
@@ -160,7 +161,11 @@ def verdict(seen: dict, timeout: float) -> str:
     events = seen["events"]
     if not events or events[-1] != "[DONE]":
         return "cut"
-    return "error-event" if any("error" in json.loads(e) for e in events[:-1]) else "ok"
+    try:
+        payloads = [json.loads(e) for e in events[:-1]]
+    except ValueError:
+        return "malformed"
+    return "error-event" if any("error" in p for p in payloads) else "ok"
 
 
 def serving_replicas(url: str) -> set[str]:

@@ -160,6 +160,28 @@ class LostAfter:
             raise ActorDiedError()
 
 
+def test_a_replica_lost_after_a_streams_done_ends_the_response_there():
+    """A stream's `[DONE]` is a body of its own and the empty last body follows (StreamingResponse):
+    a replica lost between the two has sent the whole stream. The response ends as it would have,
+    nothing after `[DONE]` (an error event there would be an event past the stream's end)."""
+    stream = [{"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]},
+              {"type": "http.response.body", "body": b"data: x\n\n", "more_body": True},
+              {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}]
+    sent = []
+
+    async def relay():
+        async def send(message):
+            sent.append(message)
+
+        lose = asyncio.Event()
+        lose.set()
+        await RelayedResponse(lambda: LostAfter(stream, lose=lose))({"type": "http"}, None, send)
+
+    asyncio.run(relay())
+    assert sent[:3] == stream
+    assert sent[3:] == [{"type": "http.response.body", "body": b"", "more_body": False}]
+
+
 def test_a_replica_lost_after_the_last_body_costs_the_connection_nothing():
     """One keep-alive connection: a stream arrives whole, its client sends the next request on the
     same connection, and only then does the first call's replica die. Nothing may follow a
