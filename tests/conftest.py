@@ -25,40 +25,44 @@ def pytest_configure(config):
 
 # The suite runs on two pytest-xdist workers (pyproject's addopts), a file at a time on one of
 # them, so that a module's server or engine starts once. The files whose tests share a session
-# checkpoint built here (Medusa heads trained, the quantize pipeline's run) go to one worker as
-# one unit, first: each worker would build its own.
-SHARED_CHECKPOINTS = {"medusa_checkpoint", "quantize_run"}
-SHARED_CHECKPOINT_FILES = {"tests/interop/test_sglang.py", "tests/medusa/test_medusa_engine.py",
-                           "tests/medusa/test_medusa_train.py", "tests/pipelines/test_quantize_pipeline.py",
-                           "tests/cluster/test_lost_node_quantize.py"}
-SHARED_UNIT = "the files sharing session checkpoints"
-CLUSTER_FILE = "tests/cluster/test_node_faults.py"  # its own three-node Ray cluster: the other long unit
+# checkpoint built here go to one worker as one unit: each worker would build its own. Those units
+# and the fault file's cluster are the longest, so they are handed out first, longest first.
+SHARED_CHECKPOINTS = {  # a session fixture -> the files that use it
+    "quantize_run": {"tests/pipelines/test_quantize_pipeline.py", "tests/cluster/test_lost_node_quantize.py",
+                     "tests/interop/test_sglang.py"},
+    "medusa_checkpoint": {"tests/medusa/test_medusa_engine.py", "tests/medusa/test_medusa_train.py"},
+}
+UNITS = {path: f"the files sharing {fixture}" for fixture, paths in SHARED_CHECKPOINTS.items() for path in paths}
+CLUSTER_FILE = "tests/cluster/test_node_faults.py"  # its own three-node Ray cluster
+FIRST = (*(f"the files sharing {fixture}" for fixture in SHARED_CHECKPOINTS), CLUSTER_FILE)
 
 
 def pytest_collection_modifyitems(config, items):
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         path = item.nodeid.split("::")[0]
-        if SHARED_CHECKPOINTS & set(getattr(item, "fixturenames", ())) and path not in SHARED_CHECKPOINT_FILES:
-            raise pytest.UsageError(f"{item.nodeid} uses a shared session checkpoint: add {path} to "
-                                    "SHARED_CHECKPOINT_FILES in tests/conftest.py")
+        for fixture in SHARED_CHECKPOINTS.keys() & set(getattr(item, "fixturenames", ())):
+            if path not in SHARED_CHECKPOINTS[fixture]:
+                raise pytest.UsageError(f"{item.nodeid} uses the session's {fixture}: add {path} to its files in "
+                                        "SHARED_CHECKPOINTS in tests/conftest.py")
         if skip and "gpu" in item.keywords:
             item.add_marker(skip)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's by-scope scheduling with a file as the scope, the shared-checkpoint files one scope
-    handed out first. (Not xdist's loadgroup: under pytest 9 its group suffix on node ids has no
-    effect, and every test became a scope of its own, a module's server starting in both workers.)"""
+    """xdist's by-scope scheduling with a file as the scope, the files sharing a checkpoint one
+    scope, the longest handed out first. (Not xdist's loadgroup: under pytest 9 its group suffix
+    on node ids has no effect, and every test became a scope of its own, a module's server
+    starting in both workers.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::")[0]
-            return SHARED_UNIT if path in SHARED_CHECKPOINT_FILES else path
+            return UNITS.get(path, path)
 
         def _assign_work_unit(self, node) -> None:
-            for first in (CLUSTER_FILE, SHARED_UNIT):  # the two longest units, one to each worker
+            for first in reversed(FIRST):
                 if first in self.workqueue:
                     self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
@@ -139,6 +143,19 @@ def assert_gpu_bench_refuses_cpu(script: str) -> None:
     message = exited.value.code
     assert isinstance(message, str) and "needs a CUDA GPU" in message and "\n" not in message, message
     assert stderr.getvalue() == ""
+
+
+def write_untrained_medusa(tiny_sala_dir, dest, **config):
+    """tiny-sala with Medusa heads as initialised (`config`: MedusaConfig's fields) written to
+    `dest`: for what reads medusa/ or verifies trees without needing drafts accepted, which the
+    session's trained medusa_checkpoint is for (and another worker owns)."""
+    from sala.checkpoint import load_model
+    from sala.medusa.heads import MedusaConfig, MedusaHeads
+    from sala.medusa.train import write_medusa_checkpoint
+
+    base = load_model(tiny_sala_dir)
+    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, **config), base.lm_head)
+    return write_medusa_checkpoint(tiny_sala_dir, heads, dest)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_untrained_medusa
 from tests.interop.sglang_env import EnvUnavailable, ensure_env
 
 pytestmark = pytest.mark.slow
@@ -50,9 +50,13 @@ def nine_b_heads(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_sala_dir, medusa_checkpoint, quantize_run, nine_b_heads):
+def checkpoints(tiny_sala_dir, quantize_run, nine_b_heads, tmp_path_factory):
+    # SGLang reads a checkpoint's top-level weights only: medusa/ beside them must not change that,
+    # trained or not.
+    medusa = write_untrained_medusa(tiny_sala_dir, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa",
+                                    shared_lm_head=False)
     return {"nvfp4 + cache plan (pipeline)": quantize_run[0], "tiny-sala": tiny_sala_dir,
-            "tiny-sala + medusa/": medusa_checkpoint, "9B heads, bf16": nine_b_heads[0], "9B heads, nvfp4": nine_b_heads[1]}
+            "tiny-sala + medusa/": medusa, "9B heads, bf16": nine_b_heads[0], "9B heads, nvfp4": nine_b_heads[1]}
 
 
 @pytest.fixture(scope="module")

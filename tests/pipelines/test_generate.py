@@ -18,7 +18,7 @@ from ray.util.annotations import RayDeprecationWarning
 from pipelines import generate
 from sala.engine import SamplingParams
 from sala.tiny import heldout_texts
-from tests.conftest import cache_hf_dataset
+from tests.conftest import cache_hf_dataset, write_untrained_medusa
 
 
 @pytest.fixture
@@ -338,13 +338,8 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_sala_dir, tmp_path, mlflow_sto
 @pytest.fixture(scope="module")
 def heads_checkpoint(tiny_sala_dir, tmp_path_factory):
     """tiny-sala with untrained Medusa heads (their tree verifies, rarely accepts)."""
-    from sala.checkpoint import load_model
-    from sala.medusa.heads import MedusaConfig, MedusaHeads
-    from sala.medusa.train import write_medusa_checkpoint
-
-    base = load_model(tiny_sala_dir)
-    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, tree=[[0], [1], [0, 0]]))
-    return write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa")
+    return write_untrained_medusa(tiny_sala_dir, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa",
+                                  tree=[[0], [1], [0, 0]])
 
 
 def test_medusa_generation_is_lossless_and_logs_each_actors_tree_choice(tiny_sala_dir, heads_checkpoint, tmp_path,

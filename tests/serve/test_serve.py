@@ -26,7 +26,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from sala.engine import SamplingParams
-from tests.conftest import ROOT, free_port, serve_tiny_sala
+from tests.conftest import ROOT, free_port, serve_tiny_sala, write_untrained_medusa
 
 API_KEY = "test-key"
 MODEL = "tiny-sala"
@@ -969,13 +969,7 @@ def test_generate_refuses_a_bad_kv_plan_before_ray(tiny_sala_dir, tmp_path, caps
 def untrained_medusa_checkpoint(tiny_sala_dir, tmp_path):
     """tiny-sala with Medusa heads as initialised: what the argument checks below read, without
     the session's training run (tests/conftest.py), which another test worker owns."""
-    from sala.checkpoint import load_model
-    from sala.medusa.heads import MedusaConfig, MedusaHeads
-    from sala.medusa.train import write_medusa_checkpoint
-
-    base = load_model(tiny_sala_dir)
-    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, shared_lm_head=False), base.lm_head)
-    return write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path / "tiny-sala-medusa")
+    return write_untrained_medusa(tiny_sala_dir, tmp_path / "tiny-sala-medusa", shared_lm_head=False)
 
 
 def test_medusa_settings_refused_without_medusa_or_when_malformed(tiny_sala_dir, untrained_medusa_checkpoint, tmp_path,
