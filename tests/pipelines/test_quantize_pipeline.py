@@ -23,6 +23,9 @@ GATE_PASSED = re.compile(r"gate \(KL <= [\d.]+, flips <= \d+%, cosine >= [\d.]+\
 pytestmark = pytest.mark.slow
 
 
+# One torch thread, as in the gate's one-CPU Ray worker: the engine here loads the decode step
+# the gate compiled for the same checkpoint (inductor's C++ is compiled for a thread count).
+@pytest.mark.usefixtures("one_torch_thread")
 def test_end_to_end_checkpoint_mlflow_and_registry(pipeline_env, quantize_run, tiny_sala_dir):
     import mlflow
     from mlflow import MlflowClient
