@@ -34,7 +34,7 @@ SHARED_CHECKPOINTS = {  # a session fixture -> the files that use it
 }
 UNITS = {path: f"the files sharing {fixture}" for fixture, paths in SHARED_CHECKPOINTS.items() for path in paths}
 CLUSTER_FILE = "tests/cluster/test_node_faults.py"  # its own three-node Ray cluster
-FIRST = (*(f"the files sharing {fixture}" for fixture in SHARED_CHECKPOINTS), CLUSTER_FILE)
+FIRST = (*dict.fromkeys(UNITS.values()), CLUSTER_FILE)  # the units in SHARED_CHECKPOINTS' order
 
 
 def pytest_collection_modifyitems(config, items):
