@@ -158,10 +158,10 @@ def write_untrained_medusa(tiny_sala_dir, dest, **config):
     return write_medusa_checkpoint(tiny_sala_dir, heads, dest)
 
 
-@pytest.fixture(scope="session")
-def medusa_checkpoint(tiny_sala_dir, tmp_path_factory):
-    """tiny-sala plus Medusa heads trained here for a minute on its own greedy continuations of
-    training text (a short recipe: good enough that drafts are often accepted)."""
+def train_test_heads(tiny_sala_dir, output: Path) -> Path:
+    """tiny-sala plus Medusa heads trained for a minute on its own greedy continuations of
+    training text (a short recipe: good enough that drafts are often accepted), on one thread
+    from seed 0, so the same inputs train the same heads."""
     from sala.checkpoint import load_model
     from sala.engine import Engine
     from sala.eval.calibration import default_source_rows
@@ -180,9 +180,38 @@ def medusa_checkpoint(tiny_sala_dir, tmp_path_factory):
     cfg = train.TrainConfig(steps=120, batch_size=8, lr=3e-3)
     train.train_heads(heads, base, encoded, train.RowSampler(len(seqs), None, cfg.batch_size, 0), cfg)
     heads.config.path_acceptance = train.evaluate(heads, base, encoded)["path_acceptance"]  # what trees are chosen by
-    out = train.write_medusa_checkpoint(tiny_sala_dir, heads, tmp_path_factory.mktemp("medusa") / "tiny-sala-medusa")
     torch.set_num_threads(n)
-    return out
+    return train.write_medusa_checkpoint(tiny_sala_dir, heads, output)
+
+
+@pytest.fixture(scope="session")
+def medusa_checkpoint(tiny_sala_dir):
+    """`train_test_heads`' checkpoint, kept under $SALA_HOME like tiny-sala: training takes a minute
+    and its result depends only on what its key digests (the recipe above, tiny-sala, the versions
+    of torch and transformers, the sources of sala and kernels), so a run with all of them
+    unchanged reuses it and any change trains again. A kept one must match its manifest."""
+    import hashlib
+    import inspect
+    import shutil
+
+    import transformers
+
+    from sala.checkpoint import CheckpointError, verify_manifest
+    from sala.engine.graph_store import sources_digest
+    from sala.home import sala_home
+
+    key = hashlib.sha256("\0".join([inspect.getsource(train_test_heads), tiny_sala_dir.name, torch.__version__,
+                                     transformers.__version__, sources_digest()]).encode()).hexdigest()[:16]
+    kept = sala_home() / "test-heads"
+    out = kept / f"{tiny_sala_dir.name}-medusa-{key}"
+    if out.is_dir():
+        with contextlib.suppress(CheckpointError):
+            if verify_manifest(out):
+                return out
+        shutil.rmtree(out)
+    for stale in kept.glob(f"{tiny_sala_dir.name}-medusa-*"):  # trained for code that is gone
+        shutil.rmtree(stale, ignore_errors=True)
+    return train_test_heads(tiny_sala_dir, out)
 
 
 @pytest.fixture(scope="module")
