@@ -193,6 +193,7 @@ def medusa_checkpoint(tiny_sala_dir):
     import hashlib
     import inspect
     import shutil
+    import time
 
     import transformers
 
@@ -209,8 +210,9 @@ def medusa_checkpoint(tiny_sala_dir):
             if verify_manifest(out):
                 return out
         shutil.rmtree(out)
-    for stale in kept.glob(f"{tiny_sala_dir.name}-medusa-*"):  # trained for code that is gone
-        shutil.rmtree(stale, ignore_errors=True)
+    for old in kept.glob(f"{tiny_sala_dir.name}-medusa-*"):  # other keys: another checkout may use one, so only day-old ones go
+        if time.time() - old.stat().st_mtime > 86400:
+            shutil.rmtree(old, ignore_errors=True)
     return train_test_heads(tiny_sala_dir, out)
 
 
