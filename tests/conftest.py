@@ -145,17 +145,22 @@ def assert_gpu_bench_refuses_cpu(script: str) -> None:
     assert stderr.getvalue() == ""
 
 
-def write_untrained_medusa(tiny_sala_dir, dest, **config):
-    """tiny-sala with Medusa heads as initialised (`config`: MedusaConfig's fields) written to
-    `dest`: for what reads medusa/ or verifies trees without needing drafts accepted, which the
-    session's trained medusa_checkpoint is for (and another worker owns)."""
-    from sala.checkpoint import load_model
+def untrained_heads(base, **config):
+    """Medusa heads as initialised over the model `base` (`config`: MedusaConfig's fields besides
+    the model's widths)."""
     from sala.medusa.heads import MedusaConfig, MedusaHeads
+
+    return MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, **config), base.lm_head)
+
+
+def write_untrained_medusa(tiny_sala_dir, dest, **config):
+    """tiny-sala with `untrained_heads(**config)` written to `dest`: for what reads medusa/ or
+    verifies trees without needing drafts accepted, which the session's trained
+    medusa_checkpoint is for (and another worker owns)."""
+    from sala.checkpoint import load_model
     from sala.medusa.train import write_medusa_checkpoint
 
-    base = load_model(tiny_sala_dir)
-    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, **config), base.lm_head)
-    return write_medusa_checkpoint(tiny_sala_dir, heads, dest)
+    return write_medusa_checkpoint(tiny_sala_dir, untrained_heads(load_model(tiny_sala_dir), **config), dest)
 
 
 def train_test_heads(tiny_sala_dir, output: Path) -> Path:
@@ -166,7 +171,6 @@ def train_test_heads(tiny_sala_dir, output: Path) -> Path:
     from sala.engine import Engine
     from sala.eval.calibration import default_source_rows
     from sala.medusa import train
-    from sala.medusa.heads import MedusaConfig, MedusaHeads
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -176,7 +180,7 @@ def train_test_heads(tiny_sala_dir, output: Path) -> Path:
     seqs = train.prepare(engine, default_source_rows(), data)
     base = load_model(tiny_sala_dir)
     encoded = train.encode(base, seqs, pad_id=0)
-    heads = MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, shared_lm_head=False), base.lm_head)
+    heads = untrained_heads(base, shared_lm_head=False)
     cfg = train.TrainConfig(steps=120, batch_size=8, lr=3e-3)
     train.train_heads(heads, base, encoded, train.RowSampler(len(seqs), None, cfg.batch_size, 0), cfg)
     heads.config.path_acceptance = train.evaluate(heads, base, encoded)["path_acceptance"]  # what trees are chosen by

@@ -13,9 +13,9 @@ from sala.checkpoint import load_model
 from sala.engine import Engine
 from sala.eval.calibration import Row, default_source_rows, guess_task
 from sala.medusa import train
-from sala.medusa.heads import MedusaConfig, MedusaHeads, load_heads
+from sala.medusa.heads import load_heads
 from sala.tiny import heldout_texts
-from tests.conftest import ROOT
+from tests.conftest import ROOT, untrained_heads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,7 +34,7 @@ def setup(tiny_sala_dir):
 
 def untrained(base):
     torch.manual_seed(0)
-    return MedusaHeads(MedusaConfig(base.config.hidden_size, base.config.vocab_size, shared_lm_head=False), base.lm_head)
+    return untrained_heads(base, shared_lm_head=False)
 
 
 def test_training_lowers_every_head_loss_and_raises_accept_length(setup, medusa_checkpoint):
