@@ -28,6 +28,7 @@ import torch
 
 from sala.checkpoint import load_model
 from sala.engine import Engine, SamplingParams
+from sala.hf import MiniCPMSALAForCausalLM
 from sala.tiny import ensure_tiny_sala, heldout_texts
 
 
@@ -133,7 +134,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_tiny_sala()
-    model = load_model(path)
+    model = MiniCPMSALAForCausalLM.sharing(load_model(path))  # transformers' generate(), the reference
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)

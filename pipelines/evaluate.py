@@ -108,12 +108,11 @@ def score_checkpoint(candidate: str | Path, reference: str | Path, *, num_prompt
     comparison are added as heldout_ppl_reference, heldout_ppl, heldout_kl_mean and
     heldout_top1_agreement. The quantize pipeline's gate."""
     import torch
-    from transformers import AutoTokenizer
 
-    from sala.checkpoint import CheckpointReader
+    from sala.checkpoint import CheckpointReader, load_tokenizer
     from sala.eval.layerwise import gate_scores
 
-    tok = AutoTokenizer.from_pretrained(reference)
+    tok = load_tokenizer(reference)
     prompts = tokenize_prompts(builtin_rows(num_prompts), lambda t: tok(t)["input_ids"], prompt_tokens)
     if windows is None:
         windows = torch.zeros(0, 2, dtype=torch.long)

@@ -615,13 +615,11 @@ def compile_check(model_path: Path, c) -> None:
     """Compile the flags' constraint for the model's vocabulary here, before Ray starts, so that a
     schema or regex xgrammar refuses (or an unsupported keyword) is a command-line error, not an
     error in every row; ConstraintError naming the flag."""
-    from transformers import AutoTokenizer
-
-    from sala.checkpoint import read_config
+    from sala.checkpoint import load_tokenizer, read_config
     from sala.engine import InvalidParam
     from sala.structured import Grammars
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     try:
         # The stop tokens decide where an output may end, not whether the constraint compiles.
         Grammars(tokenizer, read_config(model_path).vocab_size, {tokenizer.eos_token_id}).compiled(c)

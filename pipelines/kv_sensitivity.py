@@ -190,11 +190,10 @@ def run(args, model_path: Path, texts: Path, output: Path, name: str, task_need)
     import mlflow
     import ray
     import torch
-    from transformers import AutoTokenizer
 
     from pipelines.capacity import ray_memory
     from registry.models import register_checkpoint
-    from sala.checkpoint import read_config
+    from sala.checkpoint import load_tokenizer, read_config
     from sala.checkpoint_files import atomic_directory, write_manifest
     from sala.eval.compare import window_sequences
     from sala.kv import KVPlan
@@ -203,7 +202,7 @@ def run(args, model_path: Path, texts: Path, output: Path, name: str, task_need)
 
     torch.set_num_threads(1)
     config = read_config(model_path)
-    stream = token_stream(AutoTokenizer.from_pretrained(model_path), texts.read_text().split("\n\n"))
+    stream = token_stream(load_tokenizer(model_path), texts.read_text().split("\n\n"))
     windows = window_sequences(stream, SEQ, args.calib_windows + args.windows)
     if len(windows) <= args.calib_windows:
         print(f"error: {texts} holds {len(windows)} windows of {SEQ + 1} tokens; need more than --calib-windows",

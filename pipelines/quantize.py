@@ -349,10 +349,9 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     import mlflow
-    from transformers import AutoTokenizer
 
     from pipelines.evaluate import score_checkpoint
-    from sala.checkpoint import CheckpointReader
+    from sala.checkpoint import CheckpointReader, load_tokenizer
     from sala.eval.compare import window_sequences
     from sala.quant.export import export_checkpoint
     from sala.tiny import split_corpus, token_stream
@@ -377,7 +376,7 @@ def run(args) -> int:
     args.overwrite = args.overwrite or args.output is None
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     rows, report = cal.calibration_source(tokenizer, args.calibration, args.text_column, args.split)
     mix = target_mix(args)
     seqs = cal.sample_and_pack(rows, tokenizer, args.num_samples, args.seq_len, mix)

@@ -335,17 +335,17 @@ def run(args, model_path: Path, output: Path) -> int:
     import mlflow
     import ray
     import torch
-    from transformers import AutoTokenizer
 
     from pipelines.capacity import ray_memory
     from pipelines.raycluster import init_ray
+    from sala.checkpoint import load_tokenizer
     from sala.eval.calibration import Row, guess_task
     from sala.medusa import train
     from sala.medusa.tree import expected_accept_length
 
     start = time.perf_counter()
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     rows, report = read_rows(args.train_data, args.text_column, tok)
     if args.val_data:
         val_rows, _ = read_rows(args.val_data, args.text_column, tok)

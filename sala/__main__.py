@@ -9,7 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sala.checkpoint import MANIFEST, CheckpointError, check_state_dict, load_model, load_state_dict, read_config, verify_manifest
+from sala.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    check_state_dict,
+    load_model,
+    load_state_dict,
+    load_tokenizer,
+    read_config,
+    verify_manifest,
+)
 from sala.config import ConfigError
 from sala.process_exit import exit_now
 
@@ -25,11 +34,12 @@ def resolve_model(path: str | None):
 
 def cmd_generate(args) -> int:
     import torch
-    from transformers import AutoTokenizer
+
+    from sala.hf import MiniCPMSALAForCausalLM
 
     path = resolve_model(args.model)
-    model = load_model(path)
-    tok = AutoTokenizer.from_pretrained(path)
+    model = MiniCPMSALAForCausalLM.sharing(load_model(path))  # transformers' generate()
+    tok = load_tokenizer(path)
     text = args.prompt
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)

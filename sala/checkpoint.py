@@ -13,6 +13,7 @@ module also exports, so callers import one module.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from sala.checkpoint_files import (  # noqa: F401  (re-exported: the checkpoint 
     write_file_atomic,
     write_manifest,
 )
+from sala.config import default_generation_config
 
 
 class DeviceUnavailable(RuntimeError):
@@ -130,12 +132,38 @@ class CheckpointReader:
             from transformers import GenerationConfig
 
             return GenerationConfig.from_pretrained(self.path)
-        return self.skeleton.generation_config
+        return default_generation_config(self.config)
 
     def _fill(self, module: nn.Module, prefix: str, dtype, device) -> None:
         state = {key: self.tensor(f"{prefix}.{key}", dtype) for key in module.state_dict()}
         module.load_state_dict(state, assign=True)
         module.to(device)
+
+
+# The tokenizer classes tokenizer_config.json names for transformers' tokenizers-backed class (its
+# PreTrainedTokenizerFast), the one this project writes.
+TOKENIZERS_BACKEND = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A checkpoint's tokenizer, as AutoTokenizer loads it. The tokenizers-backed class is loaded
+    directly: importing AutoTokenizer brings every tokenizer class and transformers' generation
+    code, seconds in each process that serves or quantizes. Another class, or no
+    tokenizer_config.json, goes through AutoTokenizer (with SALA registered)."""
+    try:
+        named = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in TOKENIZERS_BACKEND:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    import sala
+
+    sala.register()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", verify: bool = True,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import PretrainedConfig
 
 from sala import sparse
 
@@ -228,6 +228,9 @@ class SALAConfig(PretrainedConfig):
         return 1.0
 
 
-# The Auto classes know SALA's config and tokenizer as soon as this loads (the model: sala/model.py).
-AutoConfig.register(SALAConfig.model_type, SALAConfig, exist_ok=True)
-AutoTokenizer.register(SALAConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+def default_generation_config(config: SALAConfig):
+    """The generation config a model derives from its config, which transformers' models start
+    from when a checkpoint has no generation_config.json."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_model_config(config)

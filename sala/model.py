@@ -15,6 +15,10 @@ gate/up into one GEMM each.
 From `sparse_config.dense_len` tokens on, the sparse layers switch to InfLLM-v2 block-sparse
 attention (sala/sparse.py), decided once per forward call as the official code does; below
 it they attend densely, which is exactly the official computation there.
+
+The modules are plain `nn.Module`s: importing transformers' model and generation code costs
+seconds in every process that builds an engine (a Serve replica, a quantize worker). The same
+modules as transformers' model (`generate()`, the Auto classes) are sala/hf.py's.
 """
 from __future__ import annotations
 
@@ -24,11 +28,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from sala import lightning, sparse
-from sala.config import LIGHTNING, SALAConfig
+from sala.config import LIGHTNING, SALAConfig, default_generation_config
 
 
 class Step(Protocol):
@@ -369,35 +372,37 @@ class SALACache:
             self.compressed[i] = [rows[j].copy() for j in beam_idx.tolist()] if rows else rows
 
 
-class SALAPreTrainedModel(PreTrainedModel):
-    config_class = SALAConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = False
-    _no_split_modules = ["DecoderLayer"]
-    _supports_sdpa = True
-
-    def _init_weights(self, module):
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+def init_module(m: nn.Module, std: float) -> None:
+    """One module's initial weights (its own, not its children's): a Linear's or an embedding's
+    drawn from N(0, std), a bias zero, a norm's one."""
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, mean=0.0, std=std)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, mean=0.0, std=std)
+    elif isinstance(m, RMSNorm):
+        nn.init.ones_(m.weight)
 
 
-class SALAModel(SALAPreTrainedModel):
+def init_weights(module: nn.Module, std: float) -> None:
+    """The initial weights of a model built from its config (the training recipe's), module by
+    module in the order they were built."""
+    for m in module.modules():
+        init_module(m, std)
+
+
+class SALAModel(nn.Module):
     def __init__(self, config: SALAConfig):
-        super().__init__(config)
+        super().__init__()
+        self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Both mixers rotate head_dim-wide heads with one theta (SALAConfig checks it): one table.
         self.rope_consts = Fp32Constants(inv_freq=rope_inv_freq(config.head_dim, config.rope_theta))
         self.uses_rope = config.attn_use_rope or config.lightning_use_rope
-        self.post_init()
+        init_weights(self, config.initializer_range)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 step: Step | None = None):
@@ -440,25 +445,35 @@ def positions_from(attention_mask, b: int, t: int, past: int, device) -> torch.T
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
 
 
-class SALAForCausalLM(SALAPreTrainedModel, GenerationMixin):
-    _tied_weights_keys: dict = {}
-
+class SALAForCausalLM(nn.Module):
     def __init__(self, config: SALAConfig):
-        super().__init__(config)
+        super().__init__()
+        self.config = config
         self.model = SALAModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+        init_weights(self.lm_head, config.initializer_range)
+        self._generation_config = None
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # Lightning layers keep a recurrent state, not K/V: the model brings its own cache.
-        return False
+    @property
+    def generation_config(self):
+        """The checkpoint's generation_config.json once set by its loader, else the one derived from
+        the config (as transformers' models start from)."""
+        if self._generation_config is None:
+            self._generation_config = default_generation_config(self.config)
+        return self._generation_config
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self._generation_config = value
 
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the embeddings (a quantized model's unquantized tensors' dtype)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     def new_cache(self) -> SALACache:
         return SALACache(first_sparse=self.config.sparse_layers[0])
@@ -492,6 +507,3 @@ class SALAForCausalLM(SALAPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
-
-
-AutoModelForCausalLM.register(SALAConfig, SALAForCausalLM, exist_ok=True)  # config and tokenizer: sala/config.py

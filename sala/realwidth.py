@@ -32,7 +32,7 @@ from typing import Iterator
 
 import torch
 
-from sala.config import MINICPM_SALA_9B, SALAConfig
+from sala.config import MINICPM_SALA_9B, SALAConfig, default_generation_config
 from sala.home import sala_home
 from sala.process_exit import exit_now
 from sala.tiny import CHAT_TEMPLATE, _file_lock
@@ -138,14 +138,12 @@ def write_realwidth(target: str | Path, num_layers: int, *, seed: int = 0, max_s
                     overwrite: bool = False, progress: bool = False) -> Path:
     """Write the `num_layers`-layer checkpoint into `target` atomically (config, generation
     config, weights, tokenizer, manifest); a tqdm bar over the weight bytes on stderr if `progress`."""
-    from transformers import GenerationConfig
-
     from sala.checkpoint_files import write_checkpoint
 
     config = realwidth_config(num_layers)
     specs = parameter_specs(config)
     producer = {"name": "sala.realwidth", "num_layers": num_layers, "seed": seed, "recipe_hash": recipe_hash(num_layers)}
-    return write_checkpoint(target, config, _tensors(specs, seed, progress), GenerationConfig.from_model_config(config),
+    return write_checkpoint(target, config, _tensors(specs, seed, progress), default_generation_config(config),
                             realwidth_tokenizer(config.vocab_size, config.max_position_embeddings),
                             overwrite=overwrite, producer=producer, max_shard_bytes=max_shard_bytes)
 

@@ -339,9 +339,6 @@ def build(target: Path, progress: bool = True) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "build_seconds": round(time.time() - t0, 1),
     }
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.generation_config.bos_token_id = config.bos_token_id
     producer = {"name": "sala.tiny", "recipe": RECIPE, "recipe_hash": recipe_hash()}
     save_checkpoint(model, target, with_tool_call_token(tokenizer), overwrite=True, producer=producer, metrics=metrics,
                     extra_files={"heldout.txt": "\n\n".join(heldout_texts).encode()})
@@ -396,9 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens <= 0:
         ap.error("--max-new-tokens must be positive")
 
-    from transformers import AutoTokenizer
-
-    from sala.checkpoint import load_model
+    from sala.checkpoint import load_model, load_tokenizer
+    from sala.hf import MiniCPMSALAForCausalLM
 
     target = ensure_tiny_sala(rebuild=args.rebuild)
     metrics = json.loads((target / "manifest.json").read_text())["metrics"]
@@ -407,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  held-out ppl     {metrics['heldout_ppl']:.2f}")
     print(f"  unigram ppl      {metrics['unigram_ppl']:.2f}  (same held-out split)")
     print(f"  ratio            {metrics['unigram_ppl'] / metrics['heldout_ppl']:.1f}x lower than unigram")
-    model = load_model(target)
-    tok = AutoTokenizer.from_pretrained(target)
+    model = MiniCPMSALAForCausalLM.sharing(load_model(target))  # transformers' generate()
+    tok = load_tokenizer(target)
     ids = tok(args.prompt, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False)
     print(f"  sample           {tok.decode(out[0], skip_special_tokens=True)!r}")

@@ -12,8 +12,8 @@ Stop strings: the output text is cut before the first occurrence of any of them 
 with no_stop_trim). While a request streams, the last (longest stop string - 1) characters are held back, since they may
 be the start of a stop string that the next token completes.
 
-The tokenizer must have a fast (tokenizers) backend, as every one AutoTokenizer gives for a SALA
-checkpoint has (sala/config.py registers only the fast class). Decoding goes straight to the
+The tokenizer must have a fast (tokenizers) backend, as every one `sala.checkpoint.load_tokenizer`
+or AutoTokenizer gives for a SALA checkpoint has (sala/hf.py registers only the fast class). Decoding goes straight to the
 backend: a tokenizer's clean_up_tokenization_spaces (False for SALA's) is not applied.
 """
 from __future__ import annotations

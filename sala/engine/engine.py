@@ -109,9 +109,7 @@ class Engine:
         """A checkpoint directory; its kv_plan.json is used unless `kv_plan` (path or dict) is given.
         medusa: None serves the checkpoint's `medusa/` heads when it has them, False never, True
         requires them, a path loads heads from there; medusa_tree replaces the saved tree."""
-        from transformers import AutoTokenizer  # sala/__init__ has registered SALA's tokenizer class
-
-        from sala.checkpoint import CheckpointError, load_model  # BF16, or NVFP4 through the W4A16 path
+        from sala.checkpoint import CheckpointError, load_model, load_tokenizer  # BF16, or NVFP4 through the W4A16 path
         from sala.medusa.heads import has_medusa, load_heads
 
         if device is None:
@@ -139,7 +137,7 @@ class Engine:
             heads = load_heads(heads_path, model.config, device, tree=medusa_tree)
         elif medusa_tree is not None:
             raise ValueError("medusa_tree was given but Medusa is off (medusa=False or no medusa/ heads)")
-        return cls(model, AutoTokenizer.from_pretrained(path), kv_plan=kv_plan, medusa=heads, **kwargs)
+        return cls(model, load_tokenizer(path), kv_plan=kv_plan, medusa=heads, **kwargs)
 
     @property
     def num_preemptions(self) -> int:

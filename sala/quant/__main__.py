@@ -76,10 +76,10 @@ def check_model(model_dir: Path) -> None:
 
 
 def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+    from sala import checkpoint
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return checkpoint.load_tokenizer(model_dir)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{model_dir}: no usable tokenizer ({e})") from e
 

@@ -16,6 +16,7 @@ from sala.checkpoint import load_model
 from sala.config import SALAConfig
 from sala.engine import AsyncEngine, CacheFull, Engine, InvalidParam, QueueFull, SamplingParams
 from sala.engine.memory import cuda_cache_budget, plan_memory
+from sala.hf import MiniCPMSALAForCausalLM
 from sala.kv import KVPlan
 from sala.sampling import filtered_probs
 from sala.tiny import heldout_texts
@@ -153,8 +154,8 @@ def test_fused_engine_model_still_serves_transformers_generate(models, tokenizer
     assert model.model.layers[0].self_attn.qkvg_proj is not None
     tokens, _ = reference(models, "fp32", prompts)[0]
     ids = torch.tensor([prompts[0]])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False,
-                         pad_token_id=model.config.pad_token_id)
+    out = MiniCPMSALAForCausalLM.sharing(model).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW,
+                                                         do_sample=False, pad_token_id=model.config.pad_token_id)
     assert out[0, ids.shape[1] :].tolist() == tokens
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sala.config import SALAConfig
+from sala.hf import MiniCPMSALAForCausalLM
 from sala.model import SALAForCausalLM
 
 
@@ -149,7 +150,7 @@ def test_left_padding_does_not_change_real_tokens():
 def test_generate_equals_greedy_full_forward_loop():
     m = random_model()
     ids = torch.randint(3, 101, (1, 9), generator=torch.Generator().manual_seed(5))
-    out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    out = MiniCPMSALAForCausalLM.sharing(m).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None)
     seq = ids
     with torch.no_grad():
         for _ in range(12):

@@ -7,6 +7,7 @@ import torch
 
 from sala import sparse
 from sala.config import ConfigError, SALAConfig
+from sala.hf import MiniCPMSALAForCausalLM
 from sala.sparse import SparseSettings
 from tests.model.test_model import random_model
 
@@ -182,7 +183,7 @@ def test_generate_through_transformers_takes_the_sparse_path():
     m = sparse_model()
     ids = torch.randint(0, 101, (1, 400), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        gen = m.generate(ids, max_new_tokens=4, do_sample=False)
+        gen = MiniCPMSALAForCausalLM.sharing(m).generate(ids, max_new_tokens=4, do_sample=False)
         loop = ids
         for _ in range(4):
             loop = torch.cat([loop, m(loop).logits[:, -1:].argmax(-1)], 1)

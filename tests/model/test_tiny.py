@@ -60,7 +60,7 @@ def test_transformers_auto_classes_load_and_generate(tiny_sala_dir):
     ours = load_model(tiny_sala_dir)
     auto = AutoModelForCausalLM.from_pretrained(tiny_sala_dir)
     tok = AutoTokenizer.from_pretrained(tiny_sala_dir)
-    assert type(auto).__name__ == "SALAForCausalLM"
+    assert type(auto).__name__ == "MiniCPMSALAForCausalLM"  # the architecture config.json names
     enc = tok(["The for statement", "A list is"], return_tensors="pt", padding=True, padding_side="left")
     assert enc["input_ids"][0, 0].item() == tok.bos_token_id
     with torch.no_grad():

@@ -337,6 +337,7 @@ def test_gate_refuses_a_broken_checkpoint(tiny_sala_dir, tmp_path):
     from pipelines.evaluate import score_checkpoint
     from pipelines.quantize import GATE, gate_failures
     from sala.checkpoint import load_model
+    from sala.hf import MiniCPMSALAForCausalLM
 
     model = load_model(tiny_sala_dir)
     gen = torch.Generator().manual_seed(0)
@@ -345,7 +346,7 @@ def test_gate_refuses_a_broken_checkpoint(tiny_sala_dir, tmp_path):
             if isinstance(m, torch.nn.Linear):
                 m.weight += 0.25 * m.weight.pow(2).mean().sqrt() * torch.randn(m.weight.shape, generator=gen)
     broken = tmp_path / "broken"
-    model.save_pretrained(broken)
+    MiniCPMSALAForCausalLM.sharing(model).save_pretrained(broken)
     AutoTokenizer.from_pretrained(tiny_sala_dir).save_pretrained(broken)
     score = score_checkpoint(broken, tiny_sala_dir, num_prompts=32)
     failures = gate_failures(score, **GATE)
