@@ -471,10 +471,6 @@ class SALAForCausalLM(nn.Module):
         """The dtype of the embeddings (a quantized model's unquantized tensors' dtype)."""
         return self.model.embed_tokens.weight.dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
     def new_cache(self) -> SALACache:
         return SALACache(first_sparse=self.config.sparse_layers[0])
 
