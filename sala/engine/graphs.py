@@ -60,7 +60,6 @@ class CompiledStep:
     what = "the decode step"
 
     def __init__(self, config):
-        self.fn = torch.compile(CompiledStep._unflattened, fullgraph=True, dynamic=None, options={"cpp_wrapper": True})
         self.store = GraphStore(type(self).__qualname__, config)
         self.graphs: dict[tuple, list] = {}  # by the dims marked dynamic: its graphs, the last one run first
         self.spec: pytree.TreeSpec | None = None
@@ -136,7 +135,10 @@ class CompiledStep:
             # (another engine's pool, compiled earlier in the process), and the graph would serve
             # engines whose sizes it was not compiled for.
             with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-                return self.fn.aot_compile(((self, *leaves), {}))
+                # Made here, not with the step: making it imports AOTAutograd's partitioner and networkx
+                # (0.3 s of CPU), which an engine that loads its saved graphs never needs.
+                fn = torch.compile(CompiledStep._unflattened, fullgraph=True, dynamic=None, options={"cpp_wrapper": True})
+                return fn.aot_compile(((self, *leaves), {}))
         finally:
             # The marks go with the compiling: a tensor that lives on (a tree's buffers) would
             # otherwise carry them into a saved graph's guard check, which refuses marked tensors.
@@ -148,7 +150,7 @@ class CompiledStep:
     def __getstate__(self) -> dict:
         """What a graph's guards keep of the step (they pickle the objects they read): never its
         graphs, whose guard managers do not pickle."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("fn", "graphs", "store")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("graphs", "store")}
 
     def _fail(self, why: str) -> None:
         self.failed = True
