@@ -91,7 +91,7 @@ def test_mlflow_auth_config_refuses_a_stranger(tmp_path):
     env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(tmp_path / "auth.ini"), "MLFLOW_AUTH_ADMIN_PASSWORD": password,
            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
            # Without MLflow's job runner: a consumer process the server would start beside itself
-           # (importing MLflow: 15-18 s of CPU on a loaded 2-core machine), which nothing here uses.
+           # (it imports MLflow: 14-21 s of CPU in the suite on 2 cores), which nothing here uses.
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--app-name", "basic-auth",
                                "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--host", "127.0.0.1",
