@@ -374,7 +374,11 @@ class SALACache:
 
 def init_module(m: nn.Module, std: float) -> None:
     """One module's initial weights (its own, not its children's): a Linear's or an embedding's
-    drawn from N(0, std), a bias zero, a norm's one."""
+    drawn from N(0, std), a bias zero, a norm's one. A module on the meta device (a skeleton: names
+    and shapes) has no values to draw, and torch's meta normal_ imports dynamo (1.3 s of CPU in a
+    process that never compiles, such as a quantize worker)."""
+    if getattr(m, "weight", None) is not None and m.weight.is_meta:
+        return
     if isinstance(m, nn.Linear):
         nn.init.normal_(m.weight, mean=0.0, std=std)
         if m.bias is not None:
@@ -383,6 +387,14 @@ def init_module(m: nn.Module, std: float) -> None:
         nn.init.normal_(m.weight, mean=0.0, std=std)
     elif isinstance(m, RMSNorm):
         nn.init.ones_(m.weight)
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim); on the meta device without torch's own initialization (see
+    init_module), elsewhere with it, so that a model built from a seed draws the same weights."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding.from_pretrained(torch.empty(num, dim), freeze=False)
+    return nn.Embedding(num, dim)
 
 
 def init_weights(module: nn.Module, std: float) -> None:
@@ -396,7 +408,7 @@ class SALAModel(nn.Module):
     def __init__(self, config: SALAConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Both mixers rotate head_dim-wide heads with one theta (SALAConfig checks it): one table.
