@@ -2,7 +2,8 @@
 code, which cost seconds of every Serve replica's start (a recovery's most) and of every quantize
 worker's (sala/hf.py holds what needs them). Checked in a fresh interpreter doing what a replica
 and a quantize worker do: serve.server imported, an engine loaded from tiny-sala, a decoder layer
-read from its shards."""
+read from its shards; and a quantize worker never imports dynamo, which it never uses (1.3 s of
+CPU each)."""
 import json
 import subprocess
 import sys
@@ -27,3 +28,26 @@ print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.splitlines()[-1]) == []
+
+
+def test_a_quantize_worker_imports_no_dynamo(tiny_sala_dir):
+    """What a LayerWorker does with a layer (pipelines/layer_pool.py): the checkpoint opened, the
+    layer read and run through the worker's own `_run`, one of its Linears quantized with GPTQ
+    from that run's Hessian."""
+    code = f"""
+import sys, torch
+from pipelines.layer_pool import LayerWorker
+from sala.quant.layerwise import group_amax, layer_hessians, quantize_module
+from sala.checkpoint import CheckpointReader
+worker = LayerWorker.__new__(LayerWorker)  # the actor's class without Ray: its __init__ asks Ray for its CPUs
+worker.device, worker.reader = torch.device("cpu"), CheckpointReader({str(tiny_sala_dir)!r}, verify=False)
+layer = worker.reader.layer(0, torch.float32)
+h = [worker.reader.embeddings(torch.arange(64).reshape(2, 32), torch.float32)]
+hessian = layer_hessians(layer, 0, h, worker._run, ("mlp_in",))["mlp_in"]
+w = worker.reader.tensor("model.layers.0.mlp.up_proj.weight", torch.float32)
+quantize_module(w, hessian, group_amax({{"up": w}}, ("up",)), method="gptq")
+print("torch._dynamo" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "False"
