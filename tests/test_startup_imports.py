@@ -31,21 +31,19 @@ print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))
 
 
 def test_a_quantize_worker_imports_no_dynamo(tiny_sala_dir):
-    """What a LayerWorker does with a layer (pipelines/layer_pool.py): the checkpoint opened, the
-    layer read and run through the worker's own `_run`, one of its Linears quantized with GPTQ
-    from that run's Hessian."""
+    """A LayerWorker's own call (pipelines/layer_pool.py) for a Linear of layer 1: the checkpoint
+    opened, layer 0 read and run to bring the hidden states to layer 1, then layer 1's Hessian and
+    GPTQ."""
     code = f"""
 import sys, torch
-from pipelines.layer_pool import LayerWorker
-from sala.quant.layerwise import group_amax, layer_hessians, quantize_module
+from pipelines.layer_pool import Job, LayerWorker
 from sala.checkpoint import CheckpointReader
 worker = LayerWorker.__new__(LayerWorker)  # the actor's class without Ray: its __init__ asks Ray for its CPUs
 worker.device, worker.reader = torch.device("cpu"), CheckpointReader({str(tiny_sala_dir)!r}, verify=False)
-layer = worker.reader.layer(0, torch.float32)
-h = [worker.reader.embeddings(torch.arange(64).reshape(2, 32), torch.float32)]
-hessian = layer_hessians(layer, 0, h, worker._run, ("mlp_in",))["mlp_in"]
-w = worker.reader.tensor("model.layers.0.mlp.up_proj.weight", torch.float32)
-quantize_module(w, hessian, group_amax({{"up": w}}, ("up",)), method="gptq")
+worker.h, worker.layer, worker.hessians = [worker.reader.embeddings(torch.arange(64).reshape(2, 32), torch.float32)], 0, {{}}
+job = Job(layer=1, group=("mlp.gate_proj", "mlp.up_proj"), module="mlp.up_proj", site="mlp_in", cost=0)
+blob, stats = worker.quantize(job, {{"method": "gptq"}}, None)
+assert blob and stats["mlp.up_proj"], stats
 print("torch._dynamo" in sys.modules)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
