@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.utils import _pytree as pytree
 
 import kernels
@@ -90,6 +89,8 @@ class GraphStore:
 
     def path(self, symbols: tuple, spec: pytree.TreeSpec) -> Path:
         """The file of a graph compiled with these sizes symbolic for arguments of this structure."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # imports dynamo: only where a graph is at stake
+
         def digest(obj) -> str:
             return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
         key = digest(self.key | {"threads": torch.get_num_threads()})

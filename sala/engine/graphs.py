@@ -15,11 +15,9 @@ import logging
 import time
 
 import torch
-from torch._inductor import cpp_builder
 from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
-from sala import inductor_isa
 from sala.engine.context import StepContext, decode_padding
 from sala.engine.graph_store import GraphStore, reason
 
@@ -95,6 +93,12 @@ class CompiledStep:
         made = sum(map(len, self.graphs.values()))  # graphs compiled or loaded
         if made >= torch._dynamo.config.recompile_limit:
             return self._fail(f"more than {made} graphs (torch._dynamo.config.recompile_limit)")
+        # Inductor's modules are imported by the first graph loaded or compiled: they import dynamo
+        # (1.1 s of CPU), which a process whose engines never compile does not need.
+        from torch._inductor import cpp_builder
+
+        from sala import inductor_isa
+
         t0 = time.perf_counter()
         path = self.store.path(symbols, self.spec)
         inductor_isa.use_known()
