@@ -11,6 +11,7 @@ edge values and wrong types mixed in) plus unknown fields, so a route or field a
 fuzzed without editing this file. The server runs with max_tokens_limit=4: generation stays
 short. Requests go one at a time, so the queue (256) never fills: a 503 would be a failure.
 """
+import functools
 import json
 import re
 import types
@@ -221,11 +222,18 @@ def send(http, method: str, path: str, *, body=None, content: bytes | None = Non
 POSTS = [p for p, m in routes() if m == "POST"]
 
 
+@functools.cache
+def bodies(path: str) -> st.SearchStrategy:
+    """A route's bodies, built once: building the strategies costs four times what drawing from
+    them does (the same strategies draw the same bodies, built once or per draw)."""
+    model = body_models().get(path)
+    return model_bodies(model, path) if model else all_fields_model()
+
+
 @st.composite
 def route_and_body(draw):
     path = draw(st.sampled_from(POSTS))
-    model = body_models().get(path)
-    return path, draw(model_bodies(model, path) if model else all_fields_model())
+    return path, draw(bodies(path))
 
 
 @settings(max_examples=1200, **FUZZ)
