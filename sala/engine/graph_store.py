@@ -10,9 +10,12 @@ does not read AOTAutograd's cache, so a step with nothing saved compiles as from
 for tiny-sala's decode step), once per key. A file's path is its key:
 
 - its directory: the step, the engine settings a step compiles in (the pools' shapes, the cache
-  plan, typical acceptance's constants), the model's config, the device, torch's thread count
-  (inductor's C++ is compiled for it), the versions of Python, torch and transformers, and a
-  digest of the sources of sala and kernels (a graph runs the code that was traced);
+  plan, typical acceptance's constants), the model's config, the structure of the modules the
+  step runs (each submodule's class, each parameter's and buffer's dtype and shape: a model
+  quantized in memory has its config unchanged, and the guards of the other's graph fail on it),
+  the device, torch's thread count (inductor's C++ is compiled for it), the versions of Python,
+  torch and transformers, and a digest of the sources of sala and kernels (a graph runs the code
+  that was traced);
 - its name: the sizes that were symbols and the static parts of the step's arguments.
 
 A loaded graph runs only if its guards pass on the arguments at hand (checked once, as
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import platform
@@ -71,16 +75,29 @@ def spec_parts(spec: pytree.TreeSpec) -> list:
             [spec_parts(child) for child in spec.children()]]
 
 
+def structure(module: torch.nn.Module) -> list:
+    """What a graph's guards check of a module tree, as plain data: each submodule's class and
+    each of its parameters' and buffers' dtype and shape."""
+    return [[name, type(m).__qualname__, [[n, str(t.dtype), list(t.shape)] for n, t in
+             itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))]]
+            for name, m in module.named_modules()]
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
 def reason(e: Exception) -> str:
     """An exception as a log line says it: its type and its message's first line."""
     return f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
 
 
 class GraphStore:
-    """The saved graphs of one step of one engine."""
+    """The saved graphs of one step of one engine, whose step runs `modules`."""
 
-    def __init__(self, step: str, config):
+    def __init__(self, step: str, config, modules: tuple[torch.nn.Module, ...]):
         model = {k: v for k, v in config.model.to_dict().items() if k != "_name_or_path"}
+        self.modules = modules
         self.key = {"step": step, "model": model, "device": device_kind(config.device),
                     "pools": repr(config.memory), "kv_plan": repr(config.kv_plan),
                     "typical": [config.typical_threshold, config.typical_alpha],
@@ -91,9 +108,7 @@ class GraphStore:
         """The file of a graph compiled with these sizes symbolic for arguments of this structure."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir  # imports dynamo: only where a graph is at stake
 
-        def digest(obj) -> str:
-            return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
-        key = digest(self.key | {"threads": torch.get_num_threads()})
+        key = digest(self.key | {"threads": torch.get_num_threads(), "modules": [structure(m) for m in self.modules]})
         return Path(cache_dir()) / "sala_graphs" / key / f"{digest([list(symbols), spec_parts(spec)])}.bin"
 
     def load(self, path: Path, step, leaves: list):

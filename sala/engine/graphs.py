@@ -57,8 +57,9 @@ class CompiledStep:
     MIN_ROWS = MIN_WIDTH = 2
     what = "the decode step"
 
-    def __init__(self, config):
-        self.store = GraphStore(type(self).__qualname__, config)
+    def __init__(self, config, *modules: torch.nn.Module):
+        """`modules`: those the step runs (their structure is part of its saved graphs' key)."""
+        self.store = GraphStore(type(self).__qualname__, config, modules)
         self.graphs: dict[tuple, list] = {}  # by the dims marked dynamic: its graphs, the last one run first
         self.spec: pytree.TreeSpec | None = None
         self.failed = False
@@ -170,7 +171,7 @@ class CompiledDecode(CompiledStep):
     """The decode-only step: batch size and page-table width dynamic, one graph for every step."""
 
     def __init__(self, config, runner):
-        super().__init__(config)
+        super().__init__(config, runner.model)
         self.runner = runner
 
     def step(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -379,8 +379,8 @@ class CompiledTreeVerify(CompiledStep):
     # committed width static.
     MIN_ROWS = 1
 
-    def __init__(self, config: EngineConfig, model):
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, model, *modules: torch.nn.Module):
+        super().__init__(config, model, *modules)
         self.model = model
 
     def step(self, tokens: torch.Tensor, ctx: StepContext):
@@ -418,7 +418,7 @@ class CompiledGreedyVerify(CompiledTreeVerify):
     what = "the greedy tree-verify step"
 
     def __init__(self, medusa: MedusaDecoding):
-        super().__init__(medusa.config, medusa.model)
+        super().__init__(medusa.config, medusa.model, medusa.heads)  # the graph drafts with the heads too
         self.medusa = medusa
 
     def step(self, indices: TreeIndices, tokens: torch.Tensor, ctx: StepContext, room: torch.Tensor):

@@ -44,3 +44,32 @@ def test_an_engine_loads_the_step_another_compiled_and_refuses_a_foreign_one(tin
     assert len(refused) == 1 and "guards fail" in refused[0], caplog.text
     assert "compiled the decode step" in caplog.text and not other.decoding.fast_decode.failed
     print(refused[0])
+
+
+def test_a_model_quantized_or_cast_in_memory_has_graphs_of_its_own(tiny_sala_dir):
+    """A model quantized or cast in memory keeps its config, and a graph's guards fail on the
+    other's modules: the structure of the modules a step runs keys its graphs apart (else each
+    engine replaces the other's graph on disk, and both compile again at every start)."""
+    import copy
+
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from sala.engine.graph_store import GraphStore
+    from sala.quant.layerwise import apply_quantized, layer_modules
+    from sala.quant.nvfp4 import quantize_rtn
+
+    engine = Engine.from_pretrained(tiny_sala_dir, compile=False)
+    model = engine.model
+    quantized = copy.deepcopy(model)
+    layer = quantized.model.layers[0]
+    apply_quantized(layer, {name: quantize_rtn(layer.get_submodule(name).weight.detach(), "4over6")
+                            for name in layer_modules(layer)}, packed=True)
+    spec = pytree.tree_flatten((torch.zeros(2),))[1]
+
+    def path(*modules):
+        return GraphStore("CompiledDecode", engine.config, modules).path((0,), spec)
+
+    assert path(copy.deepcopy(model)) == path(model)  # the same structure finds the same file
+    assert len({path(model), path(quantized), path(copy.deepcopy(model).to(torch.bfloat16))}) == 3
+    assert path(model) != path(model, torch.nn.Linear(2, 2))  # a step that also runs other modules
