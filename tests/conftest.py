@@ -25,8 +25,10 @@ def pytest_configure(config):
 
 # The suite runs on two pytest-xdist workers (pyproject's addopts), a file at a time on one of
 # them, so that a module's server or engine starts once. The files whose tests share a session
-# checkpoint built here go to one worker as one unit: each worker would build its own. Those units
-# and the fault file's cluster are the longest, so they are handed out first, longest first.
+# checkpoint built here go to one worker as one unit: each worker would build its own. Work is
+# handed out longest first (the units, the fault file's cluster, then the files of 20 s or more),
+# so that the last files to run are short ones and the two workers end together (a long file
+# handed out last keeps one worker busy long after the other has finished).
 SHARED_CHECKPOINTS = {  # a session fixture -> the files that use it
     "quantize_run": {"tests/pipelines/test_quantize_pipeline.py", "tests/cluster/test_lost_node_quantize.py",
                      "tests/interop/test_sglang.py"},
@@ -34,7 +36,15 @@ SHARED_CHECKPOINTS = {  # a session fixture -> the files that use it
 }
 UNITS = {path: f"the files sharing {fixture}" for fixture, paths in SHARED_CHECKPOINTS.items() for path in paths}
 CLUSTER_FILE = "tests/cluster/test_node_faults.py"  # its own three-node Ray cluster
-FIRST = (*dict.fromkeys(UNITS.values()), CLUSTER_FILE)  # the units in SHARED_CHECKPOINTS' order
+LONG_FILES = (  # 20 s or more each with every cache warm on 2 cores, the longest first
+    "tests/serve/test_tools.py", "tests/serve/test_serve.py", "tests/serve/test_serve_handles.py",
+    "tests/kv/test_kv_sensitivity.py", "tests/engine/test_engine.py", "tests/serve/test_serve_fuzz.py",
+    "tests/pipelines/test_real_width.py", "tests/eval/test_evaluate.py", "tests/pipelines/test_generate.py",
+    "tests/engine/test_packed_nvfp4.py", "tests/quant/test_quantize_memory.py", "tests/kernels/test_gpu_targets.py",
+    "tests/model/test_realwidth.py", "tests/serve/test_prefix_routing.py", "tests/engine/test_graph_store.py",
+    "tests/pipelines/test_layer_pool.py", "tests/test_memwatch.py",
+)
+FIRST = (*dict.fromkeys(UNITS.values()), CLUSTER_FILE, *LONG_FILES)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,6 +65,10 @@ def pytest_xdist_make_scheduler(config, log):
     on node ids has no effect, and every test became a scope of its own, a module's server
     starting in both workers.)"""
     from xdist.scheduler import LoadScopeScheduling
+
+    named = [*UNITS, CLUSTER_FILE, *LONG_FILES]
+    if missing := [path for path in named if not (ROOT / path).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py names test files that do not exist: {missing}")
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -281,7 +295,9 @@ def serve_tiny_sala(model_dir, name: str, **app_kwargs):
 
 
 # ------------------------------------------------------------------ the quantize pipeline's run
-SMALL = ["--num-samples", "24", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6"]  # the gate at its defaults
+# 8 rows of the built-in calibration set pack into 57 sequences of 128 tokens: the gate, at its
+# defaults, scores them as it scores 24 rows (218 sequences), which take twice as long to quantize.
+SMALL = ["--num-samples", "8", "--seq-len", "128", "--shards", "4", "--eval-sequences", "6"]
 # Runs that check bytes, not the gate's figures, score 8 prompts instead of the gate's 64.
 FEW_GATE_PROMPTS = [*SMALL, "--gate-prompts", "8"]
 
